@@ -1,0 +1,13 @@
+# Quick start: `make run` (set up .venv/ and run the main job), `make test` (set up and run the tests).
+.PHONY: setup run test
+
+VENV := .venv
+
+setup:
+	./scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/gyre-orchestrate simulate --preset paper-122b --out runs/paper-122b
+
+test: setup
+	$(VENV)/bin/python -m pytest

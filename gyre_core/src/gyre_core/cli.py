@@ -1,0 +1,162 @@
+"""``gyre-orchestrate``: the command line of Gyre.
+
+Subcommands:
+  simulate  race Gyre, Async and Colocate on a preset or a recorded trace (the same scheduler the
+            live orchestrator runs);
+  plugins   list the plugins found through the ``gyre`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from gyre_core.config import ConfigError, Mode, SchedulerConfig
+from gyre_core.scheduler.burst import solve_burst
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gyre-orchestrate", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="race the scheduling modes on a preset or a trace")
+    sim.add_argument("--preset", default="paper-122b", help="named setting (default: paper-122b)")
+    sim.add_argument("--trace", type=Path, help="JSON-lines trace of executions (replaces the preset's workload)")
+    sim.add_argument("--modes", default="gyre,async,colocate", help="comma list of gyre, async, colocate")
+    sim.add_argument("--staleness", type=float, help="target mean scheduling staleness E[d] (preset default)")
+    sim.add_argument("--steps", type=int, help="training steps to simulate (preset default)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--out", type=Path, help="write timelines, training shares, event logs and summary here")
+    sim.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    sim.add_argument("--auto-burst", action="store_true", help="let Gyre choose μ (φ from the law) by simulation")
+    sim.add_argument("--mu", type=int, help="override Gyre's steps per burst μ (φ from the law)")
+    sim.add_argument("--phi", type=float, help="override Gyre's extra dispatch φ (μ from the law)")
+    sim.add_argument("--train-minutes", type=float, help="minutes for the full pool to train one step")
+    sim.add_argument("--cells", type=int, help="K")
+    sim.add_argument("--cell-capacity", type=int, help="C_e, concurrent executions per cell in rollout")
+    sim.add_argument("--standalone-capacity", type=int, help="C_s, standalone rollout pool")
+    sim.add_argument("--group-size", type=int, help="N, executions per group")
+    sim.add_argument("--groups-per-step", type=int, help="B, groups per training step")
+    sim.add_argument("--rho-min", type=float, help="ρ_min, supply fraction of B needed to add a cell")
+    sim.add_argument("--tau", type=float, help="τ, seconds the supply must hold before a transition")
+    sim.add_argument("--oversample", type=int, help="N' > N executions launched per group")
+    sim.add_argument("--short-group", choices=["top_up", "drop"], help="rule for groups short of N valid rewards")
+    sim.add_argument("--publication-s", type=float, help="seconds to publish weights to every engine")
+    sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    sub.add_parser("plugins", help="list installed Gyre plugins")
+    return parser
+
+
+_FLAG_TO_FIELD = {
+    "cells": "cells",
+    "cell_capacity": "cell_capacity",
+    "standalone_capacity": "standalone_capacity",
+    "group_size": "group_size",
+    "groups_per_step": "groups_per_step",
+    "rho_min": "rho_min",
+    "tau": "supply_window_s",
+    "oversample": "oversample",
+    "short_group": "short_group",
+}
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from gyre_core.simulator.engine import SimParams
+    from gyre_core.simulator.presets import get_preset
+    from gyre_core.simulator.race import calibrate_cell_rate, race
+    from gyre_core.simulator.workload import TraceWorkload, load_trace, with_default_tokens
+
+    # --- validate everything before anything runs
+    preset = get_preset(args.preset)
+    fields = dict(preset.scheduler)
+    for flag, name in _FLAG_TO_FIELD.items():
+        value = getattr(args, flag)
+        if value is not None:
+            fields[name] = value
+    modes = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise ConfigError("modes: at least one mode is required")
+    staleness = preset.staleness if args.staleness is None else args.staleness
+    base = SchedulerConfig(**fields)
+    for mode in modes:  # every mode's own (φ, μ) must form a valid config
+        if mode is Mode.GYRE:
+            phi, mu = solve_burst(mode, staleness, mu=args.mu, phi=args.phi)
+        else:
+            phi, mu = solve_burst(mode, staleness)
+        extra = {"async_training_cells": 1} if mode is Mode.ASYNC else {}
+        SchedulerConfig(**{**fields, **extra, "mode": mode, "extra_dispatch": phi, "steps_per_burst": mu})
+    steps = preset.steps if args.steps is None else args.steps
+    minutes = preset.full_pool_step_minutes if args.train_minutes is None else args.train_minutes
+    if not minutes > 0:
+        raise ConfigError(f"train_minutes: must be > 0, got {minutes!r}")
+    if args.trace is not None:
+        workload = TraceWorkload(with_default_tokens(load_trace(args.trace)))
+    else:
+        workload = preset.workload()
+    rate = calibrate_cell_rate(workload, base, minutes * 60.0, seed=args.seed)
+    params_kwargs = {"steps": steps, "seed": args.seed, "cell_tokens_per_s": rate}
+    if args.publication_s is not None:
+        params_kwargs["publication_s"] = args.publication_s
+    params = SimParams(**params_kwargs)
+
+    progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if progress:
+        source = args.trace or f"preset {preset.name}"
+        progress(f"simulating {steps} steps on {source} at E[d]={staleness:g}, "
+                 f"full-pool step {minutes:g} min, modes {','.join(m.value for m in modes)}")
+    result = race(
+        base, workload, params, modes=modes, staleness=staleness, gyre_mu=args.mu,
+        gyre_phi=args.phi, auto_burst=args.auto_burst, out_dir=args.out, progress=progress,
+    )
+    summary = result.to_json()
+    summary["train_minutes"] = minutes
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table(summary)
+    if args.out is not None:
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if progress:
+            progress(f"wrote {args.out}/summary.json, timeline_<mode>.svg, training_shares_<mode>.csv, events_<mode>.jsonl")
+    return 0
+
+
+def _print_table(summary: dict) -> None:
+    print(f"target E[d] = {summary['target_staleness']:g}")
+    print(f"{'mode':<10}{'φ':>6}{'μ':>4}{'hours':>10}{'steps':>7}{'staleness':>11}  training share per cell")
+    for mode, r in summary["modes"].items():
+        shares = " ".join(f"{s:.2f}" for s in r["cell_training_share"])
+        print(f"{mode:<10}{r['phi']:>6g}{r['mu']:>4}{r['end_to_end_s'] / 3600:>10.2f}{r['steps']:>7}"
+              f"{r['mean_staleness']:>11.3f}  {shares}")
+    if "async_training_cells" in summary["modes"].get("async", {}):
+        print(f"async uses its best split: {summary['modes']['async']['async_training_cells']} training cells")
+    for name, value in summary["speedup"].items():
+        print(f"speedup {name}: {value:.2f}x")
+
+
+def _plugins() -> int:
+    from gyre_core.plugins import describe_plugins, plugin_manager
+
+    for info in describe_plugins(plugin_manager()):
+        print(json.dumps(info))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "simulate":
+            return _simulate(args)
+        return _plugins()
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"gyre-orchestrate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

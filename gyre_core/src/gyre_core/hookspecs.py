@@ -1,0 +1,143 @@
+"""Pluggy hook specifications: the seams through which backends attach to Gyre.
+
+The core never imports Megatron or SGLang. Backends are plugins -- modules registered under the
+``gyre`` entry-point group (see :mod:`gyre_core.plugins`) -- that implement some of the hooks below
+with ``@hookimpl``. Hook names start with ``gyre_`` so that a misspelt implementation is reported
+(``PluginManager.check_pending``) instead of silently never being called.
+
+Two calling conventions are used:
+
+* *firstresult* hooks are factories or decisions with exactly one answer. Implementations are
+  tried most-recently-registered first; the first one that returns something other than ``None``
+  wins and the rest are not called. Return ``None`` to say "not mine".
+* *broadcast* hooks (not firstresult) are called on every implementation; the caller gets the
+  list of non-``None`` results.
+
+Plugin modules are imported when ``gyre-orchestrate`` starts, also for a pure simulation, so they
+must import heavy dependencies (torch, megatron, sglang) lazily, inside the hook bodies.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import pluggy
+
+if TYPE_CHECKING:
+    from gyre_core.interfaces import (
+        Assessment,
+        ExecutionSpec,
+        HarnessHandle,
+        RoleClass,
+        ServingSide,
+        StateRef,
+        TrainingSide,
+        TrajectoryLeaf,
+    )
+
+PROJECT_NAME = "gyre"
+"""Pluggy project name; also the setuptools entry-point group plugins register under."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def gyre_plugin_info() -> dict[str, Any]:  # type: ignore[empty-body]
+    """Describe this plugin. Broadcast (every plugin answers).
+
+    Called by :func:`gyre_core.plugins.describe_plugins`, which ``gyre-orchestrate`` uses to report
+    what is installed before a run and to refuse a live run whose needed seams nobody provides.
+
+    Return a dict with at least ``"name"`` (str), ``"version"`` (str) and ``"seams"`` (list of
+    names from :data:`gyre_core.interfaces.SEAMS` that this plugin implements, or will).
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> TrainingSide | None:
+    """Create the training side of cell ``cell``. firstresult.
+
+    Called once per cell by the live orchestrator at start-up, before the first role switch; the
+    object lives for the whole run (backend processes and communication groups persist across
+    switches). Cell 0 is the core (authoritative weights, optimizer, weight publication); cells
+    1..K-1 are satellites that join running batches.
+
+    ``options`` is the training backend's section of the run configuration, as a plain mapping, so
+    that this seam does not depend on the core's config classes.
+
+    Return an object implementing :class:`gyre_core.interfaces.TrainingSide`, or ``None`` if this
+    plugin does not provide training (or not with these options).
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> ServingSide | None:
+    """Create the serving side of cell ``engine`` (``-1``: a standalone rollout engine). firstresult.
+
+    Called once per cell and once per standalone engine by the live orchestrator at start-up. The
+    orchestrator calls ``to_training`` / ``to_rollout`` on it when the scheduler switches the cell's
+    role, ``load_weights`` after each weight publication for engines that stayed in rollout, and
+    ``health`` before routing work to it.
+
+    ``options`` is the serving backend's section of the run configuration, as a plain mapping.
+
+    Return an object implementing :class:`gyre_core.interfaces.ServingSide`, or ``None`` if this
+    plugin does not provide serving (or not with these options).
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_launch_harness(spec: ExecutionSpec) -> HarnessHandle | None:
+    """Start the agent harness for one execution. firstresult.
+
+    Called by the orchestrator when the scheduler launches a queued execution (harnesses and
+    sandboxes are created at launch, not at dispatch). The harness must talk to the model only
+    through ``spec.proxy_base_url`` with ``spec.api_key``, run in ``spec.workdir``, and be
+    killable.
+
+    Return a :class:`gyre_core.interfaces.HarnessHandle` (``wait``/``kill``) without waiting for
+    the harness to finish, or ``None`` if this plugin does not own ``spec.harness``. The
+    orchestrator enforces ``harness_timeout_s`` by calling ``kill``.
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
+    """Assess the workspace state ``state`` of execution ``spec``. firstresult.
+
+    Called by the orchestrator after an execution's harness exits or times out, again with the
+    *same* ``state`` while earlier attempts were unresolved and the overall budget lasts, and for
+    intermediate assessments of earlier artifact versions.
+
+    Return an :class:`gyre_core.interfaces.Assessment` whose ``state`` is the one assessed. If the
+    evaluator itself fails, return ``Assessment.unresolved(...)`` -- never a zero score; the core
+    retries or excludes the execution; callers treat an exception the same way. Return ``None`` if
+    this plugin does not evaluate this kind of task.
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_classify_role(leaf: TrajectoryLeaf) -> RoleClass | None:
+    """Classify one leaf of an execution's trajectory tree into a priority class. firstresult.
+
+    Called by trajectory selection for every candidate leaf when an execution is selected for
+    training; selection draws trajectories class by class in :class:`RoleClass` priority order.
+    Harnesses differ in how they mark sub-agents and summaries, so each harness plugin recognises
+    its own.
+
+    Return a :class:`gyre_core.interfaces.RoleClass`, or ``None`` if this plugin does not recognise
+    the leaf, so the next plugin is asked.
+    """
+
+
+@hookspec
+def gyre_on_event(time: float, event: object) -> None:
+    """Observe what the orchestrator does. Broadcast; return values are ignored.
+
+    Called by the scheduler's driver (the simulator or the live orchestrator) for every scheduler
+    event it feeds in, every command the scheduler emits, and every
+    :class:`gyre_core.interfaces.PhaseTiming` of a role switch, with ``time`` on the driver's clock.
+    Observers dispatch on the type of ``event``. They must be quick and must not raise (the call is
+    on the scheduling path); anything slow belongs in a queue the observer drains itself.
+    """

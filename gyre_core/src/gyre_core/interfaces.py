@@ -1,0 +1,279 @@
+"""Types shared between the core and its plugins.
+
+The hook specifications in :mod:`gyre_core.hookspecs` hand these values across the plugin seam.
+They live here, in plain standard-library Python, so that a plugin can type against them without
+the core importing Megatron, SGLang or torch, and so that the simulator can provide stand-ins that
+satisfy the same Protocols. Protocols are structural: a backend object conforms by having the
+methods, not by inheriting from anything in Gyre.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+__all__ = [
+    "SEAMS",
+    "Assessment",
+    "ExecutionSpec",
+    "HarnessHandle",
+    "PhaseTiming",
+    "RoleClass",
+    "ServingSide",
+    "StateRef",
+    "TrainingSide",
+    "TrajectoryLeaf",
+    "Validity",
+    "WeightsRef",
+]
+
+SEAMS: frozenset[str] = frozenset(
+    {"training", "serving", "harness", "evaluation", "classification", "events"}
+)
+"""Names a plugin may list under ``"seams"`` in its :func:`gyre_plugin_info` answer.
+
+They let ``gyre-orchestrate`` report, before a run starts, which parts of a cell are backed by a
+real implementation and which are missing, instead of failing halfway through a role switch.
+"""
+
+
+class RoleClass(enum.IntEnum):
+    """Priority class of a trajectory (a leaf of an execution's trajectory tree).
+
+    Members are declared, and numbered, in priority order: a lower value is selected first, so
+    ``sorted(classes)`` and ``min(classes)`` give the highest-priority class. Main-agent
+    task-driving trajectories carry the learning signal the reward is about; summaries and
+    sub-agent work support it and are only drawn when the per-execution budget leaves room.
+    """
+
+    MAIN_AGENT_TASK = 0
+    """The main agent driving the task (the trajectory the reward is mainly about)."""
+    MAIN_AGENT_SUMMARY = 1
+    """The main agent compacting/summarising its own context."""
+    SUB_AGENT_TASK = 2
+    """A sub-agent spawned by the main agent, working on its delegated task."""
+    SUB_AGENT_SUMMARY = 3
+    """A sub-agent compacting/summarising its own context."""
+
+
+class Validity(str, enum.Enum):
+    """Whether an evaluator produced a usable score.
+
+    ``UNRESOLVED`` exists so that an evaluator failure is never silently turned into a zero
+    reward: the core retries against the same preserved state while the execution's overall
+    budget lasts, and excludes the execution if it never resolves.
+    """
+
+    VALID = "valid"
+    UNRESOLVED = "unresolved"
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Which state of an execution's workspace was assessed.
+
+    Assessments stay attached to the artifact version they scored, so an intermediate assessment
+    is never mistaken for one of the final state, and a retry can target the same preserved state.
+    """
+
+    artifact_version: str
+    branch: str
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """The evaluator's answer: a score, its validity, and the state it refers to.
+
+    Invariant (checked): a ``VALID`` assessment has a finite score, an ``UNRESOLVED`` one has
+    ``score=None`` -- an unresolved outcome must not be able to leak a number into advantages.
+    """
+
+    score: float | None
+    validity: Validity
+    state: StateRef
+    detail: str = ""
+    """Free text for logs (evaluator output, failure reason); never parsed by the core."""
+
+    def __post_init__(self) -> None:
+        if self.validity is Validity.VALID:
+            if self.score is None or not math.isfinite(self.score):
+                raise ValueError(f"a valid assessment needs a finite score, got {self.score!r}")
+        elif self.validity is Validity.UNRESOLVED:
+            if self.score is not None:
+                raise ValueError("an unresolved assessment must not carry a score")
+        else:  # pragma: no cover - guards against a plain string slipping through
+            raise TypeError(f"validity must be a Validity, got {self.validity!r}")
+
+    @classmethod
+    def valid(cls, score: float, state: StateRef, detail: str = "") -> Assessment:
+        return cls(float(score), Validity.VALID, state, detail)
+
+    @classmethod
+    def unresolved(cls, state: StateRef, detail: str = "") -> Assessment:
+        return cls(None, Validity.UNRESOLVED, state, detail)
+
+
+@dataclass(frozen=True)
+class ExecutionSpec:
+    """Everything a harness needs to run one execution against Gyre's proxy.
+
+    The harness is a black box: all it learns about Gyre is a base URL and an API key. The key is
+    per execution so the proxy can attribute every model call to its execution (and reject calls
+    from executions that were cancelled); it is kept out of ``repr`` so it does not end up in logs.
+    """
+
+    execution_id: int
+    workdir: str
+    """Working directory prepared for this execution (the harness runs with it as cwd)."""
+    proxy_base_url: str
+    """Base URL of the TITO proxy, e.g. ``http://127.0.0.1:8100`` (OpenAI/Anthropic-compatible)."""
+    api_key: str = field(repr=False)
+    harness_timeout_s: float
+    """Wall-clock limit for the harness process itself; past it the run is assessed as is."""
+    overall_budget_s: float
+    """Limit for the whole execution including evaluation retries; past it it is excluded."""
+    harness: str = ""
+    """Name of the harness to launch (e.g. ``"claude_code"``); launch hooks that do not own it
+    return ``None``."""
+    task: str = ""
+    """The task prompt handed to the harness."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Harness-specific settings from the run configuration (model name, env, flags)."""
+
+
+@runtime_checkable
+class HarnessHandle(Protocol):
+    """A launched harness process, as returned by the launch hook."""
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds (``None``: forever); return the exit code, or ``None``
+        if the harness is still running."""
+        ...
+
+    def kill(self) -> None:
+        """Terminate the harness and its children. Idempotent; the workspace is left in place so
+        the state can still be assessed."""
+        ...
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Where a published policy version can be loaded from.
+
+    ``location`` is opaque to the core (a directory, a Mooncake session handle, a
+    distributed-group name): the training plugin produces it and the serving plugin consumes it,
+    so the two backends can agree on a transport without the core knowing about it.
+    """
+
+    version: int
+    location: str
+
+
+@dataclass(frozen=True)
+class PhaseTiming:
+    """One timed phase of a role switch, e.g. ``("to_training", "release_memory")``.
+
+    Role-switch cost is what decides whether fine-grained switching pays off, so every phase is
+    reported to observers (see ``gyre_on_event``) rather than only the total.
+    ``start``/``end`` are seconds on the driver's clock (``time.monotonic()`` live, simulated
+    time in the simulator).
+    """
+
+    cell: int
+    transition: str
+    """``"to_training"`` or ``"to_rollout"``."""
+    phase: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@runtime_checkable
+class TrainingSide(Protocol):
+    """The training half of one cell (backed by Megatron in ``gyre-megatron``).
+
+    A cell keeps its backend processes and communication groups alive across role switches; these
+    methods only move memory and state. Methods may block; the orchestrator calls them off its
+    event loop and turns their completion into scheduler events. Cell 0 is the *core*: it holds
+    the authoritative weights, runs the optimizer and publishes weights; satellites only join
+    running batches and contribute gradients.
+    """
+
+    def enter_training(self) -> Sequence[PhaseTiming]:
+        """Restore training parameters and buffers. Called after the cell's serving side has
+        released its memory (``ServingSide.to_training``)."""
+        ...
+
+    def leave_training(self) -> Sequence[PhaseTiming]:
+        """Offload training state and free device memory so the serving side can resume.
+        Called at the end of a burst, before ``ServingSide.to_rollout``."""
+        ...
+
+    def start_step(self, step: int) -> None:
+        """Core only: begin training step ``step``. Expose the current authoritative weights so
+        satellites can join, then start claiming micro-steps from the stream."""
+        ...
+
+    def join_step(self, step: int) -> None:
+        """Satellite only: join the running step ``step`` without interrupting the core --
+        register, pull the core's weight snapshot, start claiming micro-steps."""
+        ...
+
+    def close_stream(self, step: int) -> None:
+        """No more micro-steps will be enqueued for ``step``. Return once this cell has drained
+        its pipeline and contributed its gradients (on the core: once the optimizer update is
+        applied)."""
+        ...
+
+    def publish_weights(self, version: int) -> WeightsRef:
+        """Core only, at the end of a burst: export the weights in the serving layout as policy
+        ``version`` and say where rollout engines can load them from."""
+        ...
+
+
+@runtime_checkable
+class ServingSide(Protocol):
+    """The rollout half of one cell, or one standalone engine (backed by SGLang in ``gyre-sglang``)."""
+
+    def to_training(self, hand_off: Callable[[Sequence[str]], None]) -> Sequence[PhaseTiming]:
+        """Give the cell's GPUs up for training, in this order: stop accepting new requests;
+        call ``hand_off`` with the ids of the requests still in flight (the orchestrator reserves
+        capacity elsewhere and re-routes them; the proxy retries them there, invisibly to the
+        harness); abort those requests on this engine; flush the cache; release weights and KV
+        cache memory. The engine process stays alive."""
+        ...
+
+    def to_rollout(self, weights: WeightsRef | None) -> Sequence[PhaseTiming]:
+        """Take the GPUs back for serving: resume memory, load ``weights`` if given (the version
+        published at the end of the burst), and continue generation."""
+        ...
+
+    def load_weights(self, weights: WeightsRef) -> None:
+        """Switch a serving engine to a newly published policy version (satellites and standalone
+        engines that stayed in rollout through the burst)."""
+        ...
+
+    def health(self) -> bool:
+        """True when the engine answers and can generate."""
+        ...
+
+
+@runtime_checkable
+class TrajectoryLeaf(Protocol):
+    """What the role-classification hook gets to see of a trajectory-tree leaf.
+
+    Deliberately narrow so that classification plugins do not depend on the tree's internals:
+    ``metadata`` is the metadata recorded with the leaf's model calls (agent id, harness-reported
+    role, request headers the harness set, ...).
+    """
+
+    @property
+    def execution_id(self) -> int: ...
+
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
