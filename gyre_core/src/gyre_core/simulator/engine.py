@@ -366,6 +366,7 @@ class Simulation:
             reroutes=self._reroutes,
             role_switches=dict(self._switches),
             starvation_dispatches=self.sched.starvation_dispatches,
+            extra={"refills": list(self.sched.burst_dispatch_marks)},
             async_training_cells=(
                 self.cfg.async_training_cells if self.cfg.mode.value == "async" else None
             ),

@@ -1,0 +1,191 @@
+"""The simulator drives the real scheduler: the paper's laws hold on long runs, the CLI's output
+has the documented shape, and bad input is rejected before anything runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from gyre_core.cli import main
+from gyre_core.config import Mode, SchedulerConfig
+from gyre_core.scheduler import solve_burst
+from gyre_core.scheduler.events import Outcome
+from gyre_core.simulator.engine import SimParams, Simulation
+from gyre_core.simulator.race import PerGroupSeeded, race
+from gyre_core.simulator.workload import ExecutionRecord, GroupDraw, synthesize_trace, write_trace
+
+
+class LognormalWorkload:
+    """Hour-long executions with a query effect; no invalid outcomes unless asked."""
+
+    def __init__(self, overall_timeout_rate: float = 0.0) -> None:
+        self.rate = overall_timeout_rate
+
+    def draw_group(self, rng: random.Random, n: int) -> GroupDraw:
+        q = rng.lognormvariate(0.0, 0.4)
+        records = []
+        for _ in range(n):
+            d = 3600.0 * q * rng.lognormvariate(0.0, 0.3)
+            outcome = Outcome.OVERALL_TIMEOUT if rng.random() < self.rate else Outcome.COMPLETED
+            records.append(ExecutionRecord("q", d, outcome, tokens=int(d)))
+        return GroupDraw("q", tuple(records))
+
+
+def small_config(mode: str, target: float, **kw) -> SchedulerConfig:
+    phi, mu = solve_burst(mode, target)
+    base = dict(cells=4, cell_capacity=24, group_size=4, groups_per_step=6, supply_window_s=30.0,
+                rho_min=0.25, extra_dispatch=phi, steps_per_burst=mu)
+    if mode == "async":
+        base["async_training_cells"] = 1
+    base.update(kw)
+    return SchedulerConfig(mode=Mode(mode), **base)
+
+
+def run(cfg: SchedulerConfig, steps: int, rate: float = 60.0, workload=None, **params):
+    sim = Simulation(cfg, PerGroupSeeded(workload or LognormalWorkload(), 7),
+                     SimParams(steps=steps, cell_tokens_per_s=rate, **params))
+    return sim.run()
+
+
+@pytest.mark.parametrize("mode", ["gyre", "async", "colocate"])
+@pytest.mark.parametrize("target", [1.0, 1.5])
+def test_mean_staleness_follows_the_law(mode: str, target: float) -> None:
+    cfg = small_config(mode, target)
+    result = run(cfg, steps=240)
+    # E[d] = φ + (μ−1)/2 within 0.02 over 240 steps (the start-up bursts are the only bias)
+    assert result.mean_staleness == pytest.approx(cfg.expected_staleness, abs=0.02)
+    assert result.steps == 240
+    assert len(result.staleness) == 240 * cfg.groups_per_step
+
+
+@pytest.mark.parametrize("mode", ["gyre", "async"])
+def test_step_time_agrees_with_littles_law(mode: str) -> None:
+    """Appendix analysis with μ = 1 and no rollout saturation (Assumption A.2):
+    Q_b·T_b = B·(L + W + T_train + T_gap), i.e. T_b = (L + T_train + T_gap)/(φ + μ − 1 + β)."""
+    cfg = small_config(mode, 1.5, cell_capacity=400, steps_per_burst=1, extra_dispatch=1.5)
+    result = run(cfg, steps=300)
+    starts, ends = result.step_start_s, result.step_end_s
+    skip = 30  # drop the start-up transient
+    t_b = (ends[-1] - ends[skip]) / (len(ends) - 1 - skip)
+    L, offsets, train, gap = [], [], [], []
+    for g in result.groups.values():
+        if g.step is None or g.step <= skip or g.step >= len(ends) - 1:
+            continue
+        L.append(g.ready - g.dispatched)
+        offsets.append(g.ready - starts[g.step - 1])
+        train.append(ends[g.step] - starts[g.step])
+        next_publication = min(t for t, _ in result.extra["refills"] if t >= ends[g.step])
+        gap.append(next_publication - ends[g.step])
+    beta = statistics.fmean(offsets) / t_b
+    predicted = (statistics.fmean(L) + statistics.fmean(train) + statistics.fmean(gap)) / (
+        cfg.extra_dispatch + cfg.steps_per_burst - 1 + beta
+    )
+    assert t_b == pytest.approx(predicted, rel=0.01)
+
+
+def test_every_mode_sees_the_same_groups() -> None:
+    wl = LognormalWorkload()
+    a = PerGroupSeeded(wl, 3)
+    b = PerGroupSeeded(wl, 3)
+    draws_a = [a.draw_group(random.Random(1), 4) for _ in range(5)]
+    draws_b = [b.draw_group(random.Random(99), 4) for _ in range(5)]
+    assert draws_a == draws_b
+
+
+def test_invalid_executions_never_count_and_the_run_still_finishes() -> None:
+    for rule in ("top_up", "drop"):
+        cfg = small_config("gyre", 1.5, short_group=rule)
+        result = run(cfg, steps=30, workload=LognormalWorkload(overall_timeout_rate=0.05))
+        assert result.steps == 30
+        assert result.finished <= result.launched <= result.dispatched
+
+
+def test_race_reports_every_mode_and_the_best_async_split() -> None:
+    base = small_config("gyre", 1.5)
+    r = race(base, LognormalWorkload(), SimParams(steps=12, cell_tokens_per_s=60.0), staleness=1.5)
+    out = r.to_json()
+    assert set(out["modes"]) == {"gyre", "async", "colocate"}
+    splits = out["async_splits"]
+    assert set(splits) == {"1", "2", "3"}
+    best = min(splits, key=lambda k: splits[k])
+    assert out["modes"]["async"]["async_training_cells"] == int(best)
+    assert out["speedup"]["gyre_vs_async"] == pytest.approx(
+        out["modes"]["async"]["end_to_end_s"] / out["modes"]["gyre"]["end_to_end_s"], rel=1e-3)
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def test_simulate_json_and_outputs(tmp_path, capsys) -> None:
+    out_dir = tmp_path / "out"
+    rc = main(["simulate", "--preset", "small", "--steps", "6", "--json", "--quiet",
+               "--out", str(out_dir)])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    for mode in ("gyre", "async", "colocate"):
+        m = summary["modes"][mode]
+        assert isinstance(m["end_to_end_s"], float) and m["end_to_end_s"] > 0
+        assert m["steps"] == 6 and isinstance(m["mu"], int) and isinstance(m["phi"], float)
+        assert len(m["cell_training_share"]) == 4
+        assert all(0.0 <= s <= 1.0 for s in m["cell_training_share"])
+        assert (out_dir / f"timeline_{mode}.svg").read_text().lstrip().startswith("<")
+        assert (out_dir / f"training_shares_{mode}.csv").exists()
+        first = json.loads((out_dir / f"events_{mode}.jsonl").open().readline())
+        assert first["event"] == "Start" and first["t"] == 0
+    assert set(summary["speedup"]) == {"gyre_vs_async", "gyre_vs_colocate"}
+
+
+def test_simulate_from_a_trace_with_auto_burst(tmp_path, capsys) -> None:
+    from gyre_core.simulator.workload import PAPER_122B
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(synthesize_trace(PAPER_122B, n_queries=40, n_per_query=4, seed=1), trace)
+    rc = main(["simulate", "--preset", "small", "--trace", str(trace), "--steps", "6",
+               "--modes", "gyre", "--auto-burst", "--json", "--quiet"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    tried = summary["auto_burst"]
+    assert set(tried) == {"1", "2", "3", "4"}  # every μ allowed at E[d] = 1.5
+    chosen = summary["modes"]["gyre"]
+    assert tried[str(chosen["mu"])] == min(tried.values())
+    assert chosen["phi"] == pytest.approx(1.5 - (chosen["mu"] - 1) / 2)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--rho-min", "0"], "rho_min"),
+        (["--rho-min", "1.5"], "rho_min"),
+        (["--cell-capacity", "0"], "cell_capacity"),
+        (["--cells", "0"], "cells"),
+        (["--groups-per-step", "0"], "groups_per_step"),
+        (["--group-size", "0"], "group_size"),
+        (["--modes", "gyre,hybrid"], "mode"),
+        (["--phi", "-1"], "φ"),
+        (["--mu", "0"], "μ"),
+        (["--preset", "nope"], "preset"),
+        (["--steps", "0"], "steps"),
+    ],
+)
+def test_bad_input_is_rejected_before_anything_runs(args, needle, capsys, tmp_path) -> None:
+    out_dir = tmp_path / "never"
+    rc = main(["simulate", "--preset", "small", "--quiet", "--out", str(out_dir), *args])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert needle in err and "error" in err
+    assert not out_dir.exists()
+
+
+def test_malformed_trace_line_is_named(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"query": "a", "duration_s": 10, "outcome": "completed"}\n'
+        '{"query": "a", "duration_s": "long", "outcome": "completed"}\n'
+    )
+    rc = main(["simulate", "--preset", "small", "--trace", str(trace), "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "duration_s" in err
