@@ -85,6 +85,7 @@ def paper_like_step(seed: int = 0) -> TrajectoryBuffer:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # the data plane's ops are small: intra-op threads only add sync latency
     buf = paper_like_step()
     queue: MicroStepQueue = MicroStepQueue()
     packer = StreamPackingBuffer(0, buf, queue, PackingConfig(TOKEN_BUDGET, DP_SIZE), GROUPS)
@@ -118,6 +119,7 @@ def main() -> None:
         "tokens": packer.tokens_emitted,
         "trainable_tokens": trainable,
         "assign_and_close_s": round(seconds, 3),
+        "threads": torch.get_num_threads(),
     }, sys.stdout)
     print()
 
