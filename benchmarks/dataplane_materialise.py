@@ -31,7 +31,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = [
         TrajectoryRow.from_tree(s.tree, sel, g.group_id)
-        for g in groups for s in g.executions for sel in s.selected
+        for g in groups for s in g.executions if s.tree is not None for sel in s.selected
     ]
     rows_s = time.perf_counter() - started
     row_tokens = sum(len(r) for r in rows)
@@ -41,7 +41,7 @@ def main() -> None:
     weighted_s = time.perf_counter() - started
     weighted_tokens = sum(len(r) for r in weighted)
 
-    nodes = sum(len(list(s.tree)) for g in groups for s in g.executions)
+    nodes = sum(len(list(s.tree)) for g in groups for s in g.executions if s.tree is not None)
     json.dump({
         "benchmark": "dataplane_materialise",
         "rows_tokens_per_s": round(row_tokens / rows_s),

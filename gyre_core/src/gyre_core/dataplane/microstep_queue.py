@@ -1,0 +1,84 @@
+"""The shared queue from which training cells claim micro-steps.
+
+Cells claim as they have capacity, so faster or earlier cells take more micro-steps and all cells
+finish a batch at about the same time. Each micro-step is handed out exactly once, across threads
+and processes: a claim takes a ticket (a shared counter) under one condition variable and removes
+the item from a ``multiprocessing`` queue while still holding it, so no two claimants can get the
+same item and none can skip one. Pass the queue to worker processes at creation (as a ``Process``
+argument), like any ``multiprocessing`` primitive.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import pickle
+import queue
+import time
+from typing import Generic, TypeVar
+
+__all__ = ["MicroStepQueue", "QueueClosed"]
+
+T = TypeVar("T")
+
+
+class QueueClosed(RuntimeError):
+    """An item was put after :meth:`MicroStepQueue.close`."""
+
+
+class MicroStepQueue(Generic[T]):
+    """FIFO of micro-steps with atomic claims and an end-of-stream mark.
+
+    :meth:`claim` returns the next item, ``None`` once the stream is closed and every item has been
+    claimed (the cell drains its pipeline), and raises :class:`queue.Empty` if nothing arrived
+    within ``timeout`` while the stream is still open (the cell pauses and tries again).
+    """
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext | None = None) -> None:
+        ctx = ctx or multiprocessing.get_context()
+        self._items = ctx.Queue()
+        # Micro-steps nobody claimed are worthless once their producer exits: it must not wait for
+        # them to drain through the pipe. Items are pickled in put(), so the queue's feeder thread
+        # only ever writes bytes and can be abandoned at exit.
+        self._items.cancel_join_thread()
+        self._cond = ctx.Condition()
+        self._enqueued = ctx.Value("q", 0, lock=False)
+        self._claimed = ctx.Value("q", 0, lock=False)
+        self._closed = ctx.Value("b", 0, lock=False)
+
+    def put(self, item: T) -> None:
+        with self._cond:
+            if self._closed.value:
+                raise QueueClosed("micro-step queue is closed")
+            self._items.put(pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+            self._enqueued.value += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more items: claimants get ``None`` once the queue is drained. Idempotent."""
+        with self._cond:
+            self._closed.value = 1
+            self._cond.notify_all()
+
+    def claim(self, timeout: float | None = None) -> T | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._claimed.value >= self._enqueued.value:
+                if self._closed.value:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise queue.Empty
+                self._cond.wait(remaining)
+            item: T = pickle.loads(self._items.get())  # put before the count rose: it is in the pipe
+            self._claimed.value += 1
+            return item
+
+    def unclaimed(self) -> int:
+        """Items enqueued and not yet claimed."""
+        with self._cond:
+            return int(self._enqueued.value - self._claimed.value)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._closed.value)

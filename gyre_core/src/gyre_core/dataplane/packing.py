@@ -1,0 +1,293 @@
+"""The stream packing buffer: ready groups in, micro-steps of a fixed token budget out.
+
+One buffer serves one training step. It is fed by the scheduler's commands and answers with its
+events, so the live orchestrator only forwards them:
+
+* ``AssignGroup(step, group_id)`` → :meth:`StreamPackingBuffer.assign`: take the ready group from
+  the trajectory buffer, materialise its selected trajectories into weighted rows, add them to the
+  row pool (kept longest first), and enqueue every micro-step the pool can fill well.
+* :meth:`StreamPackingBuffer.poll_low` → ``BufferLow(step)``: fewer than ``low_watermark`` micro-steps
+  wait unclaimed and no pull is outstanding. Call it after each assignment and whenever cells
+  claim (the queue's counters are shared, so any thread may ask). The scheduler's ``StartStep``
+  counts as the first pull.
+* ``CloseStream(step)`` → :meth:`StreamPackingBuffer.close`: all B groups are in; flush the pool and
+  close the queue once its micro-steps are enqueued.
+
+Packing: a micro-step holds one pack per data-parallel rank, each at most ``token_budget`` tokens
+(trainable and context). A pack is filled best-fit decreasing: start with the longest pooled row,
+then repeatedly add the longest row that still fits. Before the stream closes a micro-step is only
+emitted if every pack is at least ``min_fill`` full -- short auxiliary rows of later groups fill
+the gaps -- unless the pool already holds ``max_pending_micro_steps`` worth of tokens, so a pool of
+rows that cannot pack well never stalls training. Rows are never split: a row longer than the
+budget is refused when its group is assigned.
+
+Failure at assignment (group not ready, a malformed trajectory, an oversized row) raises before
+anything is taken or enqueued: the group stays ready in the trajectory buffer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gyre_core.dataplane.materialise import TrainingRow, materialise_group
+from gyre_core.dataplane.microstep_queue import MicroStepQueue
+from gyre_core.dataplane.objective import TokenBatch
+from gyre_core.dataplane.trajectory_buffer import TrajectoryBuffer
+from gyre_core.interfaces import RoleClass
+from gyre_core.scheduler.events import BufferLow
+from gyre_core.trajectory import TrajectoryRow
+
+__all__ = ["MicroStep", "Pack", "PackingConfig", "StreamPackingBuffer"]
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    token_budget: int
+    """Tokens per data-parallel rank per micro-step; also the longest row accepted."""
+    dp_size: int = 1
+    min_fill: float = 0.98
+    low_watermark: int = 2
+    max_pending_micro_steps: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.dp_size < 1:
+            raise ValueError(f"token_budget and dp_size must be ≥ 1, got {self.token_budget}, {self.dp_size}")
+        if not 0 < self.min_fill <= 1:
+            raise ValueError(f"min_fill must lie in (0, 1], got {self.min_fill}")
+        if self.low_watermark < 0 or self.max_pending_micro_steps < 1:
+            raise ValueError("low_watermark must be ≥ 0 and max_pending_micro_steps ≥ 1")
+
+
+@dataclass(frozen=True, eq=False)
+class Pack:
+    """One data-parallel rank's share of a micro-step: whole rows, packed end to end."""
+
+    rows: tuple[TrainingRow, ...]
+    n_executions: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as one flat tensor per field instead of several per row.
+
+        Micro-steps cross process boundaries through the queue, and torch serialises each tensor
+        storage separately at a fixed cost; a pack of many short rows would otherwise pay it
+        dozens of times.
+        """
+        if not self.rows:
+            return (Pack, ((), self.n_executions))
+        flat = tuple(torch.cat(column) for column in zip(*map(_row_tensors, self.rows)))
+        meta: tuple[_RowMeta, ...] = tuple(
+            (r.row.execution_id, r.row.group_id, int(r.row.role), r.exec_slot, r.advantage, len(r))
+            for r in self.rows
+        )
+        return (_unflatten_pack, (flat, meta, self.n_executions))
+
+    def to_batch(self) -> TokenBatch:
+        """The flat per-token tensors the objective reads (see :class:`TokenBatch`)."""
+        rows = self.rows
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        return TokenBatch(
+            token_ids=_cat([r.row.token_ids for r in rows], torch.int64),
+            cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            loss_weights=_cat([r.loss_weights for r in rows], torch.float32),
+            behaviour_logprobs=_cat([r.row.behaviour_logprobs for r in rows], torch.float32),
+            advantages=torch.repeat_interleave(
+                torch.tensor([r.advantage for r in rows], dtype=torch.float32), lengths
+            ),
+            exec_slots=torch.repeat_interleave(
+                torch.tensor([r.exec_slot for r in rows], dtype=torch.int64), lengths
+            ),
+            n_executions=self.n_executions,
+        )
+
+
+def _cat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
+
+
+_RowMeta = tuple[int, int, int, int, float, int]  # execution, group, role, slot, advantage, length
+
+
+def _row_tensors(r: TrainingRow) -> tuple[torch.Tensor, ...]:
+    return (r.row.token_ids, r.row.loss_mask, r.row.behaviour_logprobs, r.row.response_ids, r.loss_weights)
+
+
+def _unflatten_pack(flat: tuple[torch.Tensor, ...], meta: tuple[_RowMeta, ...], n_executions: int) -> Pack:
+    lengths = [m[-1] for m in meta]
+    parts = [torch.split(f, lengths) for f in flat]
+    rows = tuple(
+        TrainingRow(TrajectoryRow(eid, gid, RoleClass(role), *(p[i] for p in parts[:4])), slot, adv, parts[4][i])
+        for i, (eid, gid, role, slot, adv, _) in enumerate(meta)
+    )
+    return Pack(rows, n_executions)
+
+
+@dataclass(frozen=True, eq=False)
+class MicroStep:
+    """Work a cell claims at once: ``packs[i]`` goes to its data-parallel rank ``i``.
+
+    When the stream closes, the last micro-step may leave some ranks' packs empty: those ranks
+    contribute nothing to that micro-step (skip the forward, keep the collective schedule).
+    """
+
+    step: int
+    index: int
+    packs: tuple[Pack, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.packs)
+
+
+class _RowPool:
+    """Rows sorted by length, for best-fit packing."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, int]] = []  # (length, arrival), ascending
+        self._rows: list[TrainingRow] = []
+        self._arrival = itertools.count()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, row: TrainingRow) -> None:
+        key = (len(row), next(self._arrival))
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self._rows.insert(i, row)
+        self.tokens += len(row)
+
+    def fill(self, budget: int) -> list[TrainingRow]:
+        """Remove and return rows for one pack: longest first, then the longest that still fits."""
+        out: list[TrainingRow] = []
+        room = budget
+        while self._keys:
+            i = bisect.bisect(self._keys, (room, float("inf"))) - 1
+            if i < 0:
+                break
+            self._keys.pop(i)
+            row = self._rows.pop(i)
+            out.append(row)
+            room -= len(row)
+            self.tokens -= len(row)
+        return out
+
+
+class StreamPackingBuffer:
+    """The packing buffer of training step ``step`` (B groups of N executions).
+
+    Thread-safe; the micro-steps go to ``queue``, which training processes share.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        trajectories: TrajectoryBuffer,
+        queue: MicroStepQueue[MicroStep],
+        config: PackingConfig,
+        groups_per_step: int,
+    ) -> None:
+        self.step = step
+        self.config = config
+        self.groups_per_step = groups_per_step
+        self.n_executions = groups_per_step * trajectories.group_size
+        self.assigned: list[int] = []
+        """Group ids in assignment order (group ``k`` owns execution slots ``k·N .. k·N+N−1``)."""
+        self.micro_steps = 0
+        self.tokens_emitted = 0
+        self._trajectories = trajectories
+        self._queue = queue
+        self._pool = _RowPool()
+        self._pulls = 1  # the scheduler's StartStep pulls the first group
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens materialised but not yet in a micro-step (waiting for fillers)."""
+        return self._pool.tokens
+
+    @property
+    def efficiency(self) -> float:
+        """Emitted tokens over the token capacity of the emitted micro-steps."""
+        capacity = self.micro_steps * self.config.dp_size * self.config.token_budget
+        return self.tokens_emitted / capacity if capacity else 0.0
+
+    def assign(self, group_id: int) -> None:
+        """Pack ready group ``group_id`` (the scheduler's ``AssignGroup``)."""
+        with self._lock:
+            if self._closed or len(self.assigned) >= self.groups_per_step:
+                raise ValueError(
+                    f"step {self.step}: stream already has its {self.groups_per_step} groups"
+                )
+            group = self._trajectories.peek(group_id)
+            n = self._trajectories.group_size
+            rows = materialise_group(group, len(self.assigned) * n, self.n_executions)
+            too_long = [r for r in rows if len(r) > self.config.token_budget]
+            if too_long:
+                r = too_long[0]
+                raise ValueError(
+                    f"group {group_id}: execution {r.row.execution_id} has a {len(r)}-token row, "
+                    f"over the {self.config.token_budget}-token budget"
+                )
+            self._trajectories.take(group_id)
+            self.assigned.append(group_id)
+            self._pulls = max(0, self._pulls - 1)
+            for r in rows:
+                self._pool.add(r)
+            self._emit(final=False)
+
+    def poll_low(self) -> BufferLow | None:
+        """``BufferLow`` for the scheduler if this step needs one more group now, else None."""
+        with self._lock:
+            if (
+                self._closed
+                or self._pulls > 0
+                or len(self.assigned) >= self.groups_per_step
+                or self._queue.unclaimed() >= self.config.low_watermark
+            ):
+                return None
+            self._pulls += 1
+            return BufferLow(self.step)
+
+    def close(self) -> None:
+        """All B groups are assigned (the scheduler's ``CloseStream``): flush and close the queue."""
+        with self._lock:
+            if self._closed:
+                return
+            if len(self.assigned) != self.groups_per_step:
+                raise ValueError(
+                    f"step {self.step}: closing with {len(self.assigned)} of "
+                    f"{self.groups_per_step} groups assigned"
+                )
+            self._emit(final=True)
+            self._closed = True
+            self._queue.close()
+
+    def _emit(self, final: bool) -> None:
+        c = self.config
+        capacity = c.dp_size * c.token_budget
+        while len(self._pool):
+            forced = final or self._pool.tokens >= c.max_pending_micro_steps * capacity
+            if not forced and self._pool.tokens < c.min_fill * capacity:
+                return
+            packs = [self._pool.fill(c.token_budget) for _ in range(c.dp_size)]
+            if not forced and any(sum(map(len, p)) < c.min_fill * c.token_budget for p in packs):
+                for p in packs:  # not worth a micro-step yet: wait for more rows
+                    for r in p:
+                        self._pool.add(r)
+                return
+            micro = MicroStep(self.step, self.micro_steps, tuple(Pack(tuple(p), self.n_executions) for p in packs))
+            self._queue.put(micro)
+            self.micro_steps += 1
+            self.tokens_emitted += micro.tokens
