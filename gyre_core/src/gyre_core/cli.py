@@ -148,14 +148,20 @@ def _plugins() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from gyre_core.simulator.engine import SimulationStalled
+    from gyre_core.simulator.workload import TraceError
+
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "simulate":
             return _simulate(args)
         return _plugins()
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, TraceError, OSError) as exc:  # bad input: nothing ran
         print(f"gyre-orchestrate: error: {exc}", file=sys.stderr)
         return 2
+    except SimulationStalled as exc:
+        print(f"gyre-orchestrate: simulation stalled: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

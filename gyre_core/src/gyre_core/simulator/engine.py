@@ -19,6 +19,7 @@ from gyre_core.config import ConfigError, SchedulerConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome, Role
 from gyre_core.scheduler.state_machine import Scheduler
+from gyre_core.simulator.timeline import training_shares
 from gyre_core.simulator.workload import ExecutionRecord, GroupDraw, Workload
 
 
@@ -343,10 +344,7 @@ class Simulation:
 
     def _result(self) -> SimResult:
         end = self.now
-        share = [0.0] * self.cfg.cells
-        for cell, role, a, b in self._intervals:
-            if role == "training":
-                share[cell] += (b - a) / end if end > 0 else 0.0
+        share = training_shares(self._intervals, self.cfg.cells, end)
         snap = self.sched.snapshot()
         return SimResult(
             mode=self.cfg.mode.value,
