@@ -29,15 +29,6 @@ from gyre_core.scheduler.events import DispatchGroup, GroupDropped, Outcome
 from gyre_core.trajectory import Provenance, SelectedTrajectory, TrajectoryTree, TreeNode
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: intra-op threads only add synchronisation latency on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def segment(nid: int, parent: int | None, context: int, sampled: int) -> TreeNode:
     prov = [Provenance.EXTERNAL] * context + [Provenance.SAMPLED] * sampled
     return TreeNode(nid, parent, torch.arange(len(prov)) % 50, torch.tensor([int(p) for p in prov]),

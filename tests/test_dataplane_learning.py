@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 from torch import nn
 
@@ -30,15 +29,6 @@ from gyre_core.dataplane import (
 from gyre_core.interfaces import RoleClass
 from gyre_core.scheduler.events import DispatchGroup
 from gyre_core.trajectory import Provenance, SelectedTrajectory, TrajectoryTree, TreeNode
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: intra-op threads only add synchronisation latency on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 VOCAB, TARGET = 12, 7

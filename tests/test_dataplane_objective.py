@@ -26,15 +26,6 @@ from gyre_core.scheduler.events import DispatchGroup
 from test_dataplane_buffers import scored
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: intra-op threads only add synchronisation latency on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 CFG = GSPOConfig()
 
 

@@ -18,15 +18,6 @@ from gyre_core.trajectory import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: intra-op threads only add synchronisation latency on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 E, S, V = Provenance.EXTERNAL, Provenance.SAMPLED, Provenance.EVALUATOR
 
 

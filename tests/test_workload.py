@@ -13,7 +13,6 @@ from gyre_core.scheduler.events import Outcome
 from gyre_core.simulator.workload import (
     PAPER_122B,
     ExecutionRecord,
-    SyntheticParams,
     SyntheticWorkload,
     TraceError,
     TraceWorkload,

@@ -9,7 +9,6 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
