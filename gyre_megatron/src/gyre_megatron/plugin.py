@@ -1,16 +1,14 @@
 """The ``gyre`` entry point of ``gyre-megatron``.
 
-For now this module only describes the plugin. Later issues fill the seam it announces:
-``gyre_make_training_side`` (a :class:`gyre_core.interfaces.TrainingSide` backed by megatron-core:
-enter/leave training, start/join a streaming step, close the stream, publish weights) and, if
-useful, ``gyre_on_event`` for training-side metrics. Keep megatron-core and torch imports inside the
-hook bodies: this module is imported whenever ``gyre-orchestrate`` starts, including for
+Implements ``gyre_make_training_side``: a :class:`gyre_core.interfaces.TrainingSide` backed by
+megatron-core ranks (:mod:`gyre_megatron.side`). torch and megatron-core are imported inside the
+hook bodies only: this module is imported whenever ``gyre-orchestrate`` starts, including for
 simulations on machines without Megatron.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
 
@@ -20,3 +18,19 @@ from gyre_megatron import __version__
 @hookimpl
 def gyre_plugin_info() -> dict[str, Any]:
     return {"name": "gyre-megatron", "version": __version__, "seams": ["training"]}
+
+
+@hookimpl
+def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> Any:
+    """Options: ``cells`` (K, required), ``pp``, ``model`` (ModelSpec fields), ``lr``,
+    ``clip_grad``, ``burst_steps``, ``max_steps``, timeouts, ``publish_dir``. ``None`` when
+    ``options`` are not for Megatron (no ``cells``) or megatron-core is not installed."""
+    if "cells" not in options:
+        return None
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return None
+    from gyre_megatron.side import MegatronTrainingSide
+
+    return MegatronTrainingSide(cell, options)

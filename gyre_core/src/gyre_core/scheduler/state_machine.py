@@ -336,7 +336,6 @@ class Scheduler:
     def _on_publication_done(self, e: ev.PublicationDone, out: list[ev.Command]) -> None:
         if self._phase is not _Phase.PUBLISHING or e.version != self.steps_done:
             raise SchedulerError(f"PublicationDone({e.version}) unexpected")
-        pending_before_refill = self.d - self.f
         self.published_version = e.version
         self._refill(out)
         self._burst_steps = 0
@@ -345,11 +344,11 @@ class Scheduler:
         elif self.cfg.mode is Mode.COLOCATE:
             self._phase = _Phase.ROLLOUT
         else:
-            # rule (6): the core stays only if supply and capacity allow
+            # rule (6): the core stays only if supply and capacity allow; w now includes the μ·N·B
+            # executions just dispatched
             c = self.cfg
             supply_ok = len(self._ready) >= c.rho_min * c.groups_per_step
-            new_work = self.d - self.f - pending_before_refill
-            capacity_ok = pending_before_refill + new_work <= (c.cells - 1) * c.cell_capacity + c.standalone_capacity
+            capacity_ok = self.d - self.f <= (c.cells - 1) * c.cell_capacity + c.standalone_capacity
             if supply_ok and capacity_ok:
                 self._phase = _Phase.TRAINING
             else:
