@@ -1,82 +1,159 @@
-"""The per-cell role timeline (the paper's Figure 6a) as a standalone SVG: no plotting dependency."""
+"""The per-cell role timeline (the paper's Figure 6a) as a standalone SVG.
+
+Hand-written SVG rather than matplotlib: the core must not depend on a plotting stack, and the
+picture is a handful of rectangles. One row per cell (cell 0 is the core cell, the others are
+satellites), time in hours on the x axis, one colour per role.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Sequence
-from xml.sax.saxutils import escape
+from xml.sax.saxutils import escape, quoteattr
 
-ROLE_COLOURS = {
-    "rollout": "#8fb8de",
-    "to_training": "#f2a541",
-    "training": "#c0392b",
-    "to_rollout": "#7f8c8d",
+ROLE_COLOURS: dict[str, str] = {
+    "rollout": "#4e79a7",  # blue
+    "to_training": "#edc948",  # yellow: switching rollout → training
+    "training": "#e15759",  # red
+    "to_rollout": "#59a14f",  # green: switching training → rollout
 }
+"""The four roles a cell can be in; the two ``to_*`` roles are switching phases."""
 
-Interval = tuple[int, str, float, float]  # (cell, role, start_s, end_s)
+_SWITCHING = ("to_training", "to_rollout")
+
+Interval = tuple[int, str, float, float]
+"""(cell index, role, start_s, end_s)."""
 
 
 def cell_label(cell: int) -> str:
+    """Row label: cell 0 is the core cell, the others are satellites 1..K-1."""
     return "core" if cell == 0 else f"sat {cell}"
 
 
+def _check(intervals: Sequence[Interval], n_cells: int, end_s: float) -> None:
+    """Reject what would silently draw or count wrong (a bad cell index wraps around in Python)."""
+    if isinstance(n_cells, bool) or not isinstance(n_cells, int) or n_cells < 1:
+        raise ValueError(f"n_cells: must be an integer ≥ 1, got {n_cells!r}")
+    if not (math.isfinite(end_s) and end_s >= 0):
+        raise ValueError(f"end_s: must be a finite number ≥ 0, got {end_s!r}")
+    for i, (cell, role, start, end) in enumerate(intervals):
+        if isinstance(cell, bool) or not isinstance(cell, int) or not 0 <= cell < n_cells:
+            raise ValueError(f"intervals[{i}]: cell must be in 0..{n_cells - 1}, got {cell!r}")
+        if role not in ROLE_COLOURS:
+            raise ValueError(f"intervals[{i}]: role must be one of {', '.join(ROLE_COLOURS)}, got {role!r}")
+        if not (math.isfinite(start) and math.isfinite(end) and end >= start):
+            raise ValueError(f"intervals[{i}]: need finite start_s ≤ end_s, got {start!r}, {end!r}")
+
+
 def training_shares(intervals: Sequence[Interval], n_cells: int, end_s: float) -> list[float]:
-    """Fraction of [0, end_s] each cell spent in the ``training`` role."""
-    shares = [0.0] * n_cells
-    if end_s <= 0:
-        return shares
+    """Fraction of [0, end_s] each cell spent in the ``training`` role.
+
+    Intervals are clipped to [0, end_s] and overlapping ones counted once, so a share is always
+    in [0, 1]. With ``end_s == 0`` there is no time to share and every cell gets 0.
+    """
+    _check(intervals, n_cells, end_s)
+    if end_s == 0:
+        return [0.0] * n_cells
+    per_cell: list[list[tuple[float, float]]] = [[] for _ in range(n_cells)]
     for cell, role, start, end in intervals:
-        if role == "training":
-            shares[cell] += (min(end, end_s) - max(start, 0.0)) / end_s
+        lo, hi = max(start, 0.0), min(end, end_s)
+        if role == "training" and hi > lo:
+            per_cell[cell].append((lo, hi))
+    shares: list[float] = []
+    for spans in per_cell:
+        total, covered_to = 0.0, -math.inf
+        for lo, hi in sorted(spans):  # sweep: add only the part not covered yet (the union)
+            if hi > covered_to:
+                total += hi - max(lo, covered_to)
+                covered_to = hi
+        shares.append(min(total / end_s, 1.0))
     return shares
 
 
+def _tick_step_h(span_h: float, max_ticks: int = 12) -> float:
+    """A 1-2-2.5-5 × 10^k step giving at most ``max_ticks`` intervals over the span."""
+    raw = span_h / max_ticks
+    base = 10.0 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    for m in (1.0, 2.0, 2.5, 5.0, 10.0):
+        if base * m >= raw:
+            return base * m
+    return base * 10.0  # pragma: no cover
+
+
 def write_role_timeline_svg(
-    path: str | Path, intervals: Sequence[Interval], n_cells: int, end_s: float, title: str
+    path: str | os.PathLike[str],
+    intervals: Sequence[Interval],
+    n_cells: int,
+    end_s: float,
+    title: str,
 ) -> None:
-    """One row per cell, time in hours on the x axis, a legend of the four roles."""
-    left, top, row_h, gap, width = 70, 40, 22, 6, 900
-    plot_w = width - left - 20
-    height = top + n_cells * (row_h + gap) + 60
-    span = end_s if end_s > 0 else 1.0
+    """Write a Gantt-style picture: one row per cell, x axis in hours with ticks, a legend.
+
+    Switching phases last seconds against hours of rollout and training, so they are drawn on top
+    and at least one pixel wide: every switch stays visible as a thin mark.
+    """
+    _check(intervals, n_cells, end_s)
+    left, right, top, row_h, gap = 72, 24, 44, 20, 4
+    plot_w = 860
+    width = left + plot_w + right
+    rows_h = n_cells * (row_h + gap) - gap
+    axis_y = top + rows_h + 6
+    legend_y = axis_y + 60
+    height = legend_y + 24
+    span_s = end_s if end_s > 0 else 1.0
+    span_h = span_s / 3600.0
 
     def x(t: float) -> float:
-        return left + plot_w * min(max(t, 0.0), span) / span
+        return left + plot_w * min(max(t, 0.0), span_s) / span_s
 
-    parts = [
+    def row_y(cell: int) -> int:
+        return top + cell * (row_h + gap)
+
+    out = [
+        '<?xml version="1.0" encoding="UTF-8"?>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="12">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{left}" y="20" font-size="14">{escape(title)}</text>',
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{left}" y="24" font-size="15">{escape(title)}</text>',
     ]
+    # ticks and vertical grid lines first, so rectangles sit on top of the grid
+    step_h = _tick_step_h(span_h)
+    n_ticks = int(math.floor(span_h / step_h + 1e-9))
+    for i in range(n_ticks + 1):
+        tick_h = i * step_h
+        tx = x(tick_h * 3600.0)
+        out.append(f'<line x1="{tx:.2f}" y1="{top}" x2="{tx:.2f}" y2="{axis_y}" stroke="#dddddd"/>')
+        out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="black"/>')
+        out.append(f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{tick_h:g}</text>')
+    out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="black"/>')
+    out.append(f'<text x="{left + plot_w / 2:.1f}" y="{axis_y + 34}" text-anchor="middle">time (h)</text>')
+
     for cell in range(n_cells):
-        y = top + cell * (row_h + gap)
-        parts.append(f'<text x="{left - 8}" y="{y + row_h * 0.7:.1f}" text-anchor="end">{cell_label(cell)}</text>')
-    for cell, role, start, end in intervals:
-        if end <= start:
+        y = row_y(cell)
+        out.append(f'<text x="{left - 8}" y="{y + row_h * 0.7:.1f}" text-anchor="end">{cell_label(cell)}</text>')
+
+    # long roles first, switching phases on top
+    ordered = sorted(intervals, key=lambda iv: iv[1] in _SWITCHING)
+    for cell, role, start, end in ordered:
+        lo, hi = max(start, 0.0), min(end, span_s)
+        if hi < lo or (hi == lo and role not in _SWITCHING):  # outside the window, or empty
             continue
-        y = top + cell * (row_h + gap)
-        colour = ROLE_COLOURS.get(role, "#cccccc")
-        parts.append(
-            f'<rect x="{x(start):.2f}" y="{y}" width="{max(x(end) - x(start), 0.3):.2f}" '
-            f'height="{row_h}" fill="{colour}"><title>{escape(cell_label(cell))} {role} '
-            f'{start / 3600:.2f}–{end / 3600:.2f} h</title></rect>'
+        x0, x1 = x(lo), x(hi)
+        w = max(x1 - x0, 1.0 if role in _SWITCHING else 0.2)
+        tip = f"{cell_label(cell)}: {role} {start / 3600:.3f}–{end / 3600:.3f} h"
+        out.append(
+            f'<rect x="{x0:.2f}" y="{row_y(cell)}" width="{w:.2f}" height="{row_h}" '
+            f'fill="{ROLE_COLOURS[role]}"><title>{escape(tip)}</title></rect>'
         )
-    axis_y = top + n_cells * (row_h + gap) + 4
-    parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="black"/>')
-    hours = span / 3600
-    step = next(s for s in (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500) if hours / s <= 12)
-    tick = 0.0
-    while tick <= hours + 1e-9:
-        tx = x(tick * 3600)
-        parts.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 4}" stroke="black"/>')
-        parts.append(f'<text x="{tx:.2f}" y="{axis_y + 16}" text-anchor="middle">{tick:g}</text>')
-        tick += step
-    parts.append(f'<text x="{left + plot_w / 2}" y="{axis_y + 32}" text-anchor="middle">hours</text>')
+
     lx = left
     for role, colour in ROLE_COLOURS.items():
-        parts.append(f'<rect x="{lx}" y="{axis_y + 40}" width="12" height="12" fill="{colour}"/>')
-        parts.append(f'<text x="{lx + 16}" y="{axis_y + 50}">{role.replace("_", " ")}</text>')
-        lx += 130
-    parts.append("</svg>")
-    Path(path).write_text("\n".join(parts) + "\n", encoding="utf-8")
+        label = {"to_training": "switch → training", "to_rollout": "switch → rollout"}.get(role, role)
+        out.append(f'<rect x="{lx}" y="{legend_y - 10}" width="12" height="12" fill="{colour}" '
+                   f'stroke="#333333" stroke-width="0.5"/>')
+        out.append(f'<text x="{lx + 17}" y="{legend_y}" data-role={quoteattr(role)}>{escape(label)}</text>')
+        lx += 150
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out) + "\n", encoding="utf-8")
