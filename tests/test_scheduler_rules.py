@@ -197,7 +197,8 @@ def test_oversampled_surplus_is_cancelled_and_counted_once() -> None:
 
 def test_unresolved_evaluation_is_never_a_valid_reward() -> None:
     cfg = SchedulerConfig(cells=2, cell_capacity=4, group_size=2, groups_per_step=1,
-                          steps_per_burst=1, extra_dispatch=0.0, supply_window_s=0.0)
+                          steps_per_burst=1, extra_dispatch=0.0, supply_window_s=0.0,
+                          short_group=ShortGroupRule.TOP_UP)
     s = Scheduler(cfg)
     s.handle(ev.Start(), 0.0)
     s.handle(ev.ExecutionEnded(0, Outcome.HARNESS_TIMEOUT), 1.0)  # scored and used

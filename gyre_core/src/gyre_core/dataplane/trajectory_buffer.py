@@ -112,7 +112,7 @@ class TrajectoryBuffer:
     def __init__(
         self,
         group_size: int,
-        short_group: ShortGroupRule = ShortGroupRule.TOP_UP,
+        short_group: ShortGroupRule = ShortGroupRule.DROP,
         reward_range: RewardRange = RewardRange(),
         advantage_eps: float = 1e-6,
     ) -> None:
