@@ -231,6 +231,8 @@ def test_protocol_violations_are_errors() -> None:
     s.handle(ev.Start(), 0.0)
     with pytest.raises(SchedulerError):
         s.handle(ev.TransitionDone(0, Role.TRAINING), 1.0)
+    with pytest.raises(SchedulerError, match="unknown cell"):
+        s.handle(ev.TransitionDone(99, Role.TRAINING), 1.0)
     with pytest.raises(SchedulerError):
         s.handle(ev.Tick(), 0.5)  # time went backwards
 

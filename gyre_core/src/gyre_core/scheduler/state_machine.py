@@ -317,8 +317,10 @@ class Scheduler:
     def _on_transition_done(self, e: ev.TransitionDone, out: list[ev.Command]) -> None:
         cell = e.cell
         expected = CellState.TO_TRAINING if e.role is Role.TRAINING else CellState.TO_ROLLOUT
-        if not 0 <= cell < self.cfg.cells or self._cells[cell] is not expected:
-            raise SchedulerError(f"TransitionDone({cell}, {e.role.value}) while {self._cells[cell]}")
+        if not 0 <= cell < self.cfg.cells:
+            raise SchedulerError(f"TransitionDone for unknown cell {cell}")
+        if self._cells[cell] is not expected:
+            raise SchedulerError(f"TransitionDone({cell}, {e.role.value}) while {self._cells[cell].value}")
         if e.role is Role.ROLLOUT:
             self._cells[cell] = CellState.ROLLOUT
             return
