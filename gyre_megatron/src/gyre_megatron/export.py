@@ -1,0 +1,143 @@
+"""Weight export: megatron-core's GPT layout to the serving layout (Hugging Face Qwen2 names).
+
+Rollout engines (SGLang) load Hugging Face checkpoints, so the core publishes its weights under
+HF names, with Megatron's fused tensors split the way the HF modules expect:
+
+* ``linear_qkv`` is laid out per query group ``[q_0..q_{r-1}, k, v]`` (``r`` = heads per group):
+  it is regrouped into ``q_proj``, ``k_proj``, ``v_proj`` (weights and biases);
+* ``linear_fc1`` is ``[gate; up]`` (SwiGLU): split into ``gate_proj`` and ``up_proj``;
+* layer ``i`` of pipeline stage ``s`` is global layer ``s·L/P + i``.
+
+Tensor-parallel shards are merged first (:func:`merge_tp`): column-parallel tensors along dim 0
+(each rank holds whole query groups and its own gate/up halves), row-parallel ones along dim 1.
+:func:`publish` writes ``model.safetensors`` + ``config.json`` into ``publish_dir/v<version>``,
+which SGLang's ``/update_weights_from_disk`` consumes; the directory is the ``WeightsRef``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+__all__ = ["hf_config", "load_hf_qwen2", "megatron_to_hf", "merge_tp", "publish"]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """One full tensor from its tensor-parallel shards (rank order)."""
+    if len(shards) == 1:
+        return shards[0]
+    if name.endswith("linear_fc1.weight"):  # each rank: [gate_r; up_r]
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        return torch.cat([torch.cat(gates), torch.cat(ups)])
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return torch.cat(shards, dim=1)  # row-parallel
+    if "layernorm" in name or name.endswith("norm.weight"):
+        return shards[0]  # replicated
+    return torch.cat(shards, dim=0)  # column-parallel (qkv groups, vocab)
+
+
+def _split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    r = heads // groups
+    g = t.reshape(groups, (r + 2) * head_dim, *t.shape[1:])
+    q = g[:, : r * head_dim].reshape(heads * head_dim, *t.shape[1:])
+    k = g[:, r * head_dim : (r + 1) * head_dim].reshape(groups * head_dim, *t.shape[1:])
+    v = g[:, (r + 1) * head_dim :].reshape(groups * head_dim, *t.shape[1:])
+    return q, k, v
+
+
+def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: int) -> dict[str, torch.Tensor]:
+    """Rename and split one pipeline stage's (TP-merged) parameters to HF Qwen2 names."""
+    hd = spec.hidden_size // spec.num_attention_heads
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        name = name.removeprefix("module.")
+        t = t.detach().float().contiguous()
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = t
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = t
+        elif (m := _LAYER.match(name)) is not None:
+            i, rest = layer_offset + int(m.group(1)), m.group(2)
+            p = f"model.layers.{i}."
+            if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+                out[p + "input_layernorm.weight"] = t
+            elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+                out[p + "post_attention_layernorm.weight"] = t
+            elif rest.startswith("self_attention.linear_qkv."):
+                kind = rest.rsplit(".", 1)[1]
+                q, k, v = _split_qkv(t, spec.num_attention_heads, spec.num_query_groups, hd)
+                for proj, x in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                    out[p + f"self_attn.{proj}.{kind}"] = x.contiguous()
+            elif rest == "self_attention.linear_proj.weight":
+                out[p + "self_attn.o_proj.weight"] = t
+            elif rest == "mlp.linear_fc1.weight":
+                gate, up = t.chunk(2, dim=0)
+                out[p + "mlp.gate_proj.weight"] = gate.contiguous()
+                out[p + "mlp.up_proj.weight"] = up.contiguous()
+            elif rest == "mlp.linear_fc2.weight":
+                out[p + "mlp.down_proj.weight"] = t
+            else:
+                raise KeyError(f"no serving-layout name for Megatron parameter {name}")
+        else:
+            raise KeyError(f"no serving-layout name for Megatron parameter {name}")
+    return out
+
+
+def hf_config(spec: Any) -> dict[str, Any]:
+    """The ``config.json`` of the equivalent HF Qwen2 model."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
+        "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta, "tie_word_embeddings": False, "hidden_act": "silu",
+        "torch_dtype": "float32", "use_sliding_window": False, "attention_dropout": 0.0,
+    }
+
+
+def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
+    """Gather the core's stages, write the HF checkpoint of ``version``, return its WeightsRef."""
+    from gyre_core.interfaces import WeightsRef
+
+    parts = world.call(world.ranks_of(0), "export_hf")
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for part in parts for k, v in part.items()}
+    out = Path(options.get("publish_dir", "gyre-weights")) / f"v{version}"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    try:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp))
+    except ImportError:  # pragma: no cover - safetensors is a transformers dependency
+        torch.save(tensors, tmp)
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf_config(world.opts.spec), indent=1))
+    return WeightsRef(version=version, location=str(out))
+
+
+def load_hf_qwen2(path: str) -> torch.nn.Module:
+    """Load a published checkpoint into ``transformers``' Qwen2 (eager attention, fp32); strict
+    except for HF's non-persistent rotary buffers. Used by tests to check the export."""
+    import transformers
+    from safetensors.torch import load_file
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    cfg = transformers.Qwen2Config(**kwargs)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen2ForCausalLM(cfg).float().eval()
+    missing, unexpected = model.load_state_dict(load_file(str(Path(path) / "model.safetensors")), strict=False)
+    if unexpected or any("rotary" not in k for k in missing):
+        raise KeyError(f"checkpoint does not fit Qwen2: missing {missing}, unexpected {unexpected}")
+    return model

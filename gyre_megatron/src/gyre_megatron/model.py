@@ -1,0 +1,135 @@
+"""A Qwen2-shaped megatron-core GPTModel stage, its DDP grad buffers, and the core's optimizer.
+
+Qwen2 layout so that weight export has a real serving target: RMSNorm, SwiGLU MLP without
+biases, QKV bias, grouped-query attention, RoPE, untied output layer (untied so no embedding-group
+all-reduce between first and last stage is needed). The local (non-TransformerEngine) layer spec
+runs on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["ModelSpec", "build_stage", "gpt_forward_step", "make_optimizer"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    vocab_size: int = 128
+    max_seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    seed: int = 1234
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def transformer_config(spec: ModelSpec, pp_size: int) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        calculate_per_token_loss=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _seed_model_parallel_rng(seed: int) -> None:
+    """Megatron's named RNG stream for model-parallel regions (dropout forks it even at p=0)."""
+    from megatron.core import tensor_parallel
+
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.states_:
+        tracker.add("model-parallel-rng", seed + 2718)
+
+
+def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int) -> tuple[Any, Any]:
+    """This pipeline stage of the model, wrapped in megatron-core DDP (grad buffers, no sync)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, pp_size)
+    torch.manual_seed(spec.seed + 1000 * pp_rank)
+    _seed_model_parallel_rng(spec.seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_seq_len,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return ddp, config
+
+
+def make_optimizer(ddp: Any, lr: float = 1e-3) -> Any:
+    """megatron-core's optimizer (Adam, fp32) for one stage of the core cell.
+
+    ``clip_grad=0``: megatron's clip_grads asserts CUDA tensor types, and Gyre clips on the core
+    itself over the core's whole pipeline (see :mod:`gyre_megatron.runtime`).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, bf16=False, fp16=False,
+                          params_dtype=torch.float32, use_distributed_optimizer=False)
+    return get_megatron_optimizer(cfg, [ddp])
+
+
+def _per_token_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of (weighted) token losses and the count of weighted tokens: additive over micro-steps."""
+    mask = loss_mask.reshape(-1).float()  # 0/1, or the objective's weights W_t
+    loss = (output_tensor.float().reshape(-1) * mask).sum()
+    n = (mask > 0).sum().to(torch.int)
+    return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone()}
+
+
+def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+    """Megatron forward-step function for an item ``{tokens, labels, loss_mask}`` ([rows, S])."""
+    item = next(data_iterator)
+    tokens = item["tokens"]
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0)
+    out = model(tokens, position_ids, None, labels=item["labels"])
+    return out, partial(_per_token_loss, item["loss_mask"])

@@ -1,0 +1,403 @@
+"""One rank of a Gyre training cell: its pipeline stage, groups, and the step protocol.
+
+Layout: K cells with one parallel layout (here: a PP-stage pipeline per cell, TP = 1); cell 0 is
+the core. ``initialize_model_parallel(order="tp-cp-ep-pp-dp")`` puts data parallelism outermost,
+so cell ``c`` is the contiguous block of ranks ``c·P .. c·P+P−1`` and its pipeline group is
+megatron-core's own. All process groups exist from start-up because torch cannot grow a group:
+
+* per cell, a gloo *side group* (the stream's control channel, join decisions, token counts);
+* for every prefix size ``m = 2..K`` and stage ``s``, the *prefix group* of ranks
+  ``{c·P+s : c < m}``: gradients are summed over the prefix of cells taking part in a step.
+
+Step protocol (``run_step``): the core exposes its weights (Mooncake), every participating cell's
+leader claims micro-steps from the shared queue and streams them through its pipeline; a satellite
+joins by registering in the c10d store (atomic ``compare_set``) and pulling the core's weights.
+When the core's stream has drained it closes the join window (the same ``compare_set`` keys),
+which fixes the participating prefix ``m``; grads and token counts are all-reduced over the
+prefix group; the core alone normalises, clips and steps its optimizer; the new parameters are
+broadcast to the satellites that stay for the next step of the burst.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gyre_megatron import compat
+from gyre_megatron.checks import RankChecks
+from gyre_megatron.model import ModelSpec, build_stage, gpt_forward_step, make_optimizer
+from gyre_megatron.offload import Offloader
+from gyre_megatron.streaming import ControlChannel, run_streaming_1f1b
+
+__all__ = ["CellRank", "RankOptions", "StepFailed"]
+
+
+class StepFailed(RuntimeError):
+    """A step could not complete (a cell died or timed out); no update was applied.
+
+    ``requeue`` maps each dropped cell (the dead one and any cell after it in the prefix) to the
+    micro-step indices it had claimed: they were never counted and must be streamed again.
+    """
+
+    def __init__(self, message: str, requeue: dict[int, list[int]] | None = None, survivors: int = 1) -> None:
+        super().__init__(message)
+        self.requeue = requeue or {}
+        self.survivors = survivors
+        """Cells ``0..survivors−1`` kept their gradients and can :meth:`resume_step`."""
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    cells: int
+    pp: int
+    spec: ModelSpec = ModelSpec()
+    lr: float = 1e-3
+    clip_grad: float = 1.0
+    data_timeout_s: float = 60.0
+    """Timeout of the data groups (pipeline P2P, prefix collectives)."""
+    side_timeout_s: float = 60.0
+    """Timeout of the side groups; heartbeats keep a paused pipeline well inside it."""
+    heartbeat_s: float = 0.5
+    store_timeout_s: float = 60.0
+    normalise_by_tokens: bool = True
+    """Divide the summed gradient by the batch's loss-bearing tokens (plain per-token losses);
+    off for the data plane's weights ``W_t``, which already normalise per execution."""
+
+
+class CellRank(RankChecks):
+    def __init__(self, rank: int, world: int, opts: RankOptions, queues: Sequence[Any]) -> None:
+        from gyre_megatron.patching import ensure_cpu_patches
+
+        self.patch = ensure_cpu_patches()
+        from megatron.core import parallel_state as ps
+
+        self.rank, self.world, self.opts, self.queues = rank, world, opts, queues
+        K, P = opts.cells, opts.pp
+        assert world == K * P, f"world {world} != cells {K} x pp {P}"
+        self.cell, self.stage = divmod(rank, P)
+        self.is_core = self.cell == 0
+        ps.initialize_model_parallel(
+            pipeline_model_parallel_size=P,
+            order="tp-cp-ep-pp-dp",
+            distributed_timeout_minutes=opts.data_timeout_s / 60.0,
+        )
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        assert sorted(dist.get_process_group_ranks(self.pp_group)) == list(range(self.cell * P, self.cell * P + P))
+        side_to = timedelta(seconds=opts.side_timeout_s)
+        data_to = timedelta(seconds=opts.data_timeout_s)
+        self.side_group = None
+        for c in range(K):  # new_group is collective over the world: same order everywhere
+            g = dist.new_group(list(range(c * P, c * P + P)), backend="gloo", timeout=side_to)
+            if c == self.cell:
+                self.side_group = g
+        self.prefix: dict[int, Any] = {}
+        for m in range(2, K + 1):
+            for s in range(P):
+                g = dist.new_group([c * P + s for c in range(m)], backend="gloo", timeout=data_to)
+                if s == self.stage and self.cell < m:
+                    self.prefix[m] = g
+        self.store = dist.distributed_c10d._get_default_store()
+        self.store.set_timeout(timedelta(seconds=opts.store_timeout_s))
+        self.ddp, self.config = build_stage(opts.spec, self.stage, P)
+        self.model = self.ddp
+        # get_megatron_optimizer gathers parameter keys over the whole world, so every rank builds
+        # one; only the core keeps it (Adam allocates no state before its first step).
+        opt = make_optimizer(self.ddp, opts.lr)
+        self.optimizer = opt if self.is_core else None
+        self.p2p = compat.P2P(self.pp_group, self.config)
+        self.leader = self.cell * P
+        self.last = self.cell * P + P - 1
+        self.offloader = Offloader()
+        self.version = 0 if self.is_core else -1
+        """Policy version this cell's parameters hold (``step`` before an update, ``step+1`` after);
+        a satellite starts unknown (-1), so its first join always pulls."""
+        self._transport: Any = None
+        self._saved: Any = None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p.data for p in self.ddp.module.parameters()]
+
+    @property
+    def transport(self) -> Any:
+        if self._transport is None:
+            from gyre_megatron.transfer import WeightTransport
+
+            self._transport = WeightTransport(self.store)
+        return self._transport
+
+    def _shape_of(self, item: Any) -> list[tuple[int, ...]]:
+        return [(item["tokens"].shape[1], item["tokens"].shape[0], self.config.hidden_size)]
+
+    def _control(self, queue_idx: int | None, items: Sequence[Any] | None = None) -> ControlChannel:
+        claim = None
+        if self.rank == self.leader:
+            if queue_idx is not None:
+                from gyre_megatron.microsteps import as_item
+
+                q = self.queues[queue_idx]
+                claim = lambda t: as_item(q.claim(t))  # noqa: E731
+            else:
+                it = iter(list(items or []))
+                claim = lambda _t: next(it, None)  # noqa: E731
+        return ControlChannel(self.side_group, self.leader, claim, self.opts.heartbeat_s)
+
+    def _stream(self, control: ControlChannel) -> Any:
+        return run_streaming_1f1b(self.model, self.config, self.p2p, control, gpt_forward_step, self._shape_of)
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
+        return [b.grad_data for b in buffers]
+
+    def zero_grads(self) -> None:
+        self.ddp.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def grads_numpy(self) -> list[Any]:
+        return [p.main_grad.detach().clone().numpy() for p in self.ddp.module.parameters()]
+
+    def params_numpy(self) -> dict[str, Any]:
+        return {n: p.detach().clone().numpy() for n, p in self.ddp.module.named_parameters()}
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "cell": self.cell, "stage": self.stage, "mcore": compat.mcore_version(),
+                "patch": None if self.patch is None else list(self.patch.notes), "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ §5 export
+    def export_hf(self) -> dict[str, Any]:
+        """This stage's parameters under HF Qwen2 names (TP = 1: nothing to merge)."""
+        from gyre_megatron.export import megatron_to_hf
+
+        per_stage = self.opts.spec.num_layers // self.opts.pp
+        state = {n: p.data for n, p in self.ddp.module.named_parameters()}
+        return {k: v.numpy().copy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+
+    # ------------------------------------------------------------------ §4 enter / leave
+    def _state_tensors(self) -> list[torch.Tensor]:
+        ts = list(self.params) + self.grad_buffers() + [b for b in self.ddp.module.buffers()]
+        if self.optimizer is not None:
+            for st in self.optimizer.optimizer.state.values():
+                ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return ts
+
+    def leave_training(self) -> dict[str, Any]:
+        if self._transport is not None:
+            self._transport.release()  # storages move on restore: re-register next step
+        released = self.offloader.offload(self._state_tensors())
+        remaining = sum(t.untyped_storage().nbytes() for t in self._state_tensors())
+        return {"released_bytes": released, "remaining_bytes": remaining}
+
+    def enter_training(self) -> dict[str, Any]:
+        return {"restored_bytes": self.offloader.restore()}
+
+    # ------------------------------------------------------------------ §3 the step
+    def _key(self, step: int, what: str) -> str:
+        return f"gyre/step{step}/{what}"
+
+    def run_step(self, step: int, queue_idx: int, final: bool = False, die_after: int | None = None) -> dict[str, Any]:
+        """Take part in training step ``step`` (core: StartStep; satellite: JoinStep).
+
+        Returns this rank's statistics; raises :class:`StepFailed` (after re-queue bookkeeping
+        on the core) when a participant fails.
+        """
+        info: dict[str, Any] = {"rank": self.rank, "cell": self.cell, "stage": self.stage}
+        if self.is_core:
+            self.transport.expose(self._key(step, f"w{self.stage}"), self.params)
+            self.version = step
+        else:
+            decision = None
+            if self.rank == self.leader:
+                got = self.store.compare_set(self._key(step, f"join{self.cell}"), "", "joined")
+                decision = got.decode() if isinstance(got, bytes) else str(got)
+            decision = ControlChannel(self.side_group, self.leader, None).broadcast(decision)
+            if decision != "joined":
+                info["joined"] = False
+                return info
+            info["joined"] = True
+            if self.version != step:
+                t0 = time.monotonic()
+                nbytes, _ = self.transport.pull(self._key(step, f"w{self.stage}"), self.params)
+                info["pull_bytes"], info["pull_s"] = nbytes, time.monotonic() - t0
+                self.version = step
+        control = self._control(queue_idx)
+        if self.rank == self.leader:  # claim ledger: survives this process, read on failure
+            ledger = self._key(step, f"claimed{self.cell}")
+            self.store.set(ledger, "")
+            control.on_claim = lambda i: self.store.append(ledger, f"{i},")
+        if die_after is not None and self.rank == self.leader:  # fault injection (tests)
+            inner = control.claim
+            count = [0]
+
+            def claim(t: float) -> Any:  # dies after ``die_after`` items, or at the end of the stream
+                if count[0] >= die_after:
+                    os._exit(17)
+                item = inner(t)  # type: ignore[misc]
+                if item is None:
+                    os._exit(17)
+                count[0] += 1
+                return item
+
+            control.claim = claim
+        res = self._stream(control)
+        info.update(micro_steps=res.micro_steps, pauses=res.pauses, claimed=control.claimed)
+        # token count of this cell, from its last stage to every stage
+        box = [res.tokens]
+        dist.broadcast_object_list(box, src=self.last, group=self.side_group)
+        tokens = int(box[0])
+        # the join window closes on the core once its stream has drained
+        if self.is_core and self.rank == self.leader:
+            m = 1
+            for c in range(1, self.opts.cells):
+                got = self.store.compare_set(self._key(step, f"join{c}"), "", "closed")
+                if (got.decode() if isinstance(got, bytes) else str(got)) == "joined" and m == c:
+                    m += 1
+            self.store.set(self._key(step, "m"), str(m))
+        m = int(self.store.get(self._key(step, "m")))
+        if self.cell >= m:
+            raise StepFailed(f"cell {self.cell} joined step {step} outside the prefix of {m} cells")
+        info["m"] = m
+        total = torch.tensor([float(tokens)], dtype=torch.float64)
+        if m > 1:
+            own = [b.clone() for b in self.grad_buffers()]  # a failed all-reduce may leave partial sums
+            t0 = time.monotonic()
+            try:
+                g = self.prefix[m]
+                for buf in self.grad_buffers():
+                    dist.all_reduce(buf, group=g)
+                dist.all_reduce(total, group=g)
+            except Exception as e:  # a participant died or hung: apply nothing
+                for buf, o in zip(self.grad_buffers(), own):
+                    buf.copy_(o)
+                info.update(failed=True, error=f"{type(e).__name__}: {e}"[:300], detect_s=time.monotonic() - t0)
+                return self._recover(step, m, tokens, info)
+            del own
+        return self._finish(step, float(total), final, m, info)
+
+    def _recover(self, step: int, m: int, tokens: int, info: dict[str, Any]) -> dict[str, Any]:
+        """After a failed gradient all-reduce: find the surviving prefix, keep its gradients.
+
+        Every live participant reports itself in the store; the core's leader waits (at most the
+        data-group timeout plus a margin: a survivor not adjacent to the dead rank only fails
+        when its own wait times out) and fixes ``m'``, the longest prefix of cells whose ranks
+        all reported. Cells below ``m'`` keep their gradients for :meth:`resume_step`; the
+        micro-steps claimed by cells ``m'..m−1`` are re-queued.
+        """
+        self.store.set(self._key(step, f"alive{self.rank}"), "1")
+        key = self._key(step, "survivors")
+        if self.is_core and self.rank == self.leader:
+            P = self.opts.pp
+            deadline = time.monotonic() + self.opts.data_timeout_s + 2.0
+            alive = {0}
+            while time.monotonic() < deadline and len(alive) < m:
+                for c in range(1, m):
+                    keys = [self._key(step, f"alive{c * P + s}") for s in range(P)]
+                    if c not in alive and self.store.check(keys):
+                        alive.add(c)
+                time.sleep(0.05)
+            survivors = 1
+            while survivors in alive:
+                survivors += 1
+            self.store.set(key, str(survivors))
+        survivors = int(self.store.get(key))
+        info["survivors"] = survivors
+        if self.is_core:
+            info["requeue"] = {c: self._claims(step, c) for c in range(survivors, m)}
+        if self.cell < survivors:
+            self._pending = {"step": step, "tokens": tokens, "m": survivors}
+        else:
+            self.zero_grads()
+        return info
+
+    def _claims(self, step: int, cell: int) -> list[int]:
+        raw = self.store.get(self._key(step, f"claimed{cell}"))
+        return [int(x) for x in (raw.decode() if isinstance(raw, bytes) else str(raw)).split(",") if x]
+
+    def resume_step(self, step: int, queue_idx: int, final: bool = False) -> dict[str, Any]:
+        """Finish a step that failed, on the surviving prefix: stream the re-queued micro-steps
+        (queue ``queue_idx``) on top of the kept gradients, reduce over the survivors' prefix
+        group, update on the core. Called on the core and on every surviving satellite."""
+        pending = getattr(self, "_pending", None)
+        if pending is None or pending["step"] != step:
+            raise StepFailed(f"no failed step {step} to resume on rank {self.rank}")
+        m = int(pending["m"])
+        control = self._control(queue_idx)
+        res = self._stream(control)
+        box = [res.tokens]
+        dist.broadcast_object_list(box, src=self.last, group=self.side_group)
+        self._pending = None
+        total = torch.tensor([float(pending["tokens"] + int(box[0]))], dtype=torch.float64)
+        if m > 1:
+            for buf in self.grad_buffers():
+                dist.all_reduce(buf, group=self.prefix[m])
+            dist.all_reduce(total, group=self.prefix[m])
+        info = {"rank": self.rank, "cell": self.cell, "micro_steps": res.micro_steps,
+                "claimed": control.claimed, "m": m}
+        return self._finish(step, float(total), final, m, info)
+
+    def _finish(self, step: int, total: float, final: bool, m: int, info: dict[str, Any]) -> dict[str, Any]:
+        """Normalise, clip and update on the core; then send the new weights to satellites."""
+        info["total_tokens"] = total
+        if self.is_core:
+            if self.opts.normalise_by_tokens:  # not for objectives whose W_t already normalise
+                for buf in self.grad_buffers():
+                    buf.div_(max(total, 1.0))
+            local = sum(float(b.double().pow(2).sum()) for b in self.grad_buffers())
+            sq = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(sq, group=self.side_group)
+            norm = float(sq.sqrt())
+            if self.opts.clip_grad > 0 and norm > self.opts.clip_grad:
+                for buf in self.grad_buffers():
+                    buf.mul_(self.opts.clip_grad / (norm + 1e-6))
+            if self._transport is not None:
+                self._transport.release()  # the snapshot window is over
+            ok, _, _ = self.optimizer.step()
+            info["grad_norm"], info["update_ok"] = norm, bool(ok)
+        self.zero_grads()
+        if not final and m > 1:
+            for p in self.params:
+                dist.broadcast(p, src=self.stage, group=self.prefix[m])
+            self.version = step + 1
+        else:  # a satellite leaving after the burst's last step keeps stale weights
+            self.version = step + 1 if self.is_core else -1
+        return info
+
+
+def worker_main(
+    rank: int, world: int, port: int, opts: RankOptions, queues: Sequence[Any], cmd_q: Any, res_q: Any
+) -> None:
+    """Entry point of a spawned rank: init gloo, build the rank, serve commands until ``exit``."""
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=opts.store_timeout_s))
+        cr = CellRank(rank, world, opts, queues)
+        res_q.put((rank, -1, True, cr.ping()))
+    except BaseException:
+        res_q.put((rank, -1, False, traceback.format_exc()))
+        return
+    while True:
+        seq, name, args, kwargs = cmd_q.get()
+        if name == "exit":
+            break
+        try:
+            out = getattr(cr, name)(*args, **kwargs)
+            res_q.put((rank, seq, True, out))
+        except BaseException as e:
+            res_q.put((rank, seq, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass

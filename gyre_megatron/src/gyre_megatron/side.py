@@ -1,0 +1,145 @@
+"""The training side of a cell (:class:`gyre_core.interfaces.TrainingSide`) over megatron-core ranks.
+
+All K cells' ranks form one world (torch cannot grow a process group), so the first
+``gyre_make_training_side`` call of a run starts the whole world (:class:`~gyre_megatron.launch.World`)
+and every cell's side drives its own block of ranks through it. Methods that start work
+(``start_step``, ``join_step``) return at once; ``close_stream`` waits for the cell's ranks, with
+a timeout, and raises :class:`~gyre_megatron.runtime.StepFailed` if the step could not complete.
+
+Each training step uses its own micro-step queue, created before the ranks were spawned (a
+``multiprocessing`` queue can only be handed to a process at creation): the orchestrator builds
+the step's packing buffer on :meth:`MegatronTrainingSide.micro_step_queue`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+from gyre_core.interfaces import PhaseTiming, WeightsRef
+
+__all__ = ["MegatronTrainingSide", "shutdown_worlds"]
+
+_worlds: dict[tuple[Any, ...], Any] = {}
+_queue_of: dict[tuple[int, int], int] = {}  # (id(world), step) -> queue index
+_lock = threading.Lock()
+
+
+def _world_for(options: Mapping[str, Any]) -> Any:
+    from gyre_megatron.launch import World
+    from gyre_megatron.model import ModelSpec
+    from gyre_megatron.runtime import RankOptions
+
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    with _lock:
+        if key not in _worlds:
+            spec = ModelSpec(**dict(options.get("model", {})))
+            opts = RankOptions(
+                cells=int(options["cells"]), pp=int(options.get("pp", 1)), spec=spec,
+                lr=float(options.get("lr", 1e-3)), clip_grad=float(options.get("clip_grad", 1.0)),
+                data_timeout_s=float(options.get("data_timeout_s", 60.0)),
+                side_timeout_s=float(options.get("side_timeout_s", 60.0)),
+                heartbeat_s=float(options.get("heartbeat_s", 0.5)),
+                normalise_by_tokens=bool(options.get("normalise_by_tokens", True)),
+            )
+            _worlds[key] = World(opts, n_queues=int(options.get("max_steps", 16)))
+        return _worlds[key]
+
+
+def shutdown_worlds() -> None:
+    """Stop every world this process started (their ranks, by pid)."""
+    with _lock:
+        for w in _worlds.values():
+            w.close()
+        _worlds.clear()
+
+
+class MegatronTrainingSide:
+    def __init__(self, cell: int, options: Mapping[str, Any]) -> None:
+        self.cell = cell
+        self.options = dict(options)
+        self.world = _world_for(options)
+        self.ranks = self.world.ranks_of(cell)
+        self.timeout_s = float(options.get("step_timeout_s", 600.0))
+        self.burst_steps = int(options.get("burst_steps", 0))
+        self._tickets: dict[int, Any] = {}
+        self.last_step_info: list[dict[str, Any]] = []
+        """Per-rank statistics of the last step this cell closed (claims, m, pull, grad norm)."""
+
+    def _queue_index(self, step: int) -> int:
+        with _lock:
+            key = (id(self.world), step)
+            if key not in _queue_of:
+                _queue_of[key] = self.world.alloc_queue()
+            return _queue_of[key]
+
+    def micro_step_queue(self, step: int) -> Any:
+        """The queue training step ``step`` streams through (shared by all cells)."""
+        return self.world.queues[self._queue_index(step)]
+
+    def _timed(self, transition: str, phase: str, method: str) -> list[PhaseTiming]:
+        t0 = time.monotonic()
+        self.world.call(self.ranks, method, timeout=self.timeout_s)
+        return [PhaseTiming(self.cell, transition, phase, t0, time.monotonic())]
+
+    def enter_training(self) -> Sequence[PhaseTiming]:
+        return self._timed("to_training", "restore_training_state", "enter_training")
+
+    def leave_training(self) -> Sequence[PhaseTiming]:
+        return self._timed("to_rollout", "offload_training_state", "leave_training")
+
+    def _final(self, step: int) -> bool:
+        return bool(self.burst_steps) and (step + 1) % self.burst_steps == 0
+
+    def start_step(self, step: int) -> None:
+        if self.cell != 0:
+            raise ValueError("start_step is for the core (cell 0); satellites join_step")
+        self._submit_step(step)
+
+    def join_step(self, step: int) -> None:
+        if self.cell == 0:
+            raise ValueError("the core starts steps; join_step is for satellites")
+        self._submit_step(step)
+
+    def _submit_step(self, step: int) -> None:
+        qi = self._queue_index(step)
+        self._tickets[step] = self.world.submit(self.ranks, "run_step", step, qi, self._final(step))
+
+    def close_stream(self, step: int) -> None:
+        from gyre_megatron.launch import RankError
+        from gyre_megatron.runtime import StepFailed
+
+        ticket = self._tickets.pop(step)
+        try:
+            self.last_step_info = self.world.wait(ticket, self.timeout_s)
+        except RankError as e:
+            raise StepFailed(f"cell {self.cell}, step {step}: {e}") from e
+        failed = [i for i in self.last_step_info if i.get("failed")]
+        if failed:
+            requeue = {int(c): v for i in failed for c, v in i.get("requeue", {}).items()}
+            survivors = int(failed[0].get("survivors", 1))
+            raise StepFailed(f"cell {self.cell}, step {step}: {failed[0]['error']}", requeue, survivors)
+
+    def resume_step(self, step: int) -> tuple[Any, Any]:
+        """After :class:`StepFailed`: finish ``step`` on the surviving prefix (the core and the
+        satellites below the first dead cell, ``StepFailed.survivors``), on their kept gradients
+        plus the re-queued micro-steps. Call it on the core first (it allocates the queue), then
+        on each surviving satellite; put the re-queued micro-steps into the returned queue and
+        close it. Returns the queue and a callable that waits for this cell's part (on the core:
+        the update)."""
+        if self.cell == 0:
+            qi = self.world.alloc_queue()
+            with _lock:
+                _queue_of[(id(self.world), -1 - step)] = qi
+        else:
+            qi = _queue_of[(id(self.world), -1 - step)]
+        ticket = self.world.submit(self.ranks, "resume_step", step, qi, self._final(step))
+        return self.world.queues[qi], lambda: self.world.wait(ticket, self.timeout_s)
+
+    def publish_weights(self, version: int) -> WeightsRef:
+        if self.cell != 0:
+            raise ValueError("only the core publishes weights")
+        from gyre_megatron.export import publish
+
+        return publish(self.world, self.options, version)

@@ -1,0 +1,241 @@
+"""The pausable streaming 1F1B schedule: megatron-core's 1F1B for a stream of unknown length.
+
+Stock 1F1B needs ``num_microbatches`` up front because it decides, before each communication,
+whether another micro-batch follows (``send_backward_recv_forward`` vs ``send_backward``). Here
+that decision is taken from a *control message* read just before the communication that depends
+on it. The cell's first stage (the leader) claims micro-steps from the data plane's queue and
+broadcasts one message per forward slot to every stage of the cell over a gloo *side group*:
+
+* ``micro`` (with the item, so the last stage has its labels): one more micro-batch;
+* ``pause``: nothing available yet, the stream is open. Sent every ``heartbeat_s`` while the
+  leader waits, so a pause of any length never blocks anyone on the data (pipeline) group and
+  never trips a process-group timeout; followers simply read the next message;
+* ``end``: stream closed and queue empty: drain.
+
+For every sequence of messages each stage performs exactly the operations stock 1F1B performs for
+that many micro-batches, in the same order (warm-up forwards, steady 1F1B, cool-down backwards),
+so there is one start-up and one drain per batch. Every stage is paused at the same logical point
+(just before consuming message ``k``), after all communication for earlier micro-batches has
+completed. Losses are per token (``calculate_per_token_loss``): no micro-batch count is needed.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue as queue_mod
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gyre_megatron import compat
+
+__all__ = ["ControlChannel", "StreamResult", "run_streaming_1f1b"]
+
+Claim = Callable[[float], Any]
+"""``claim(timeout)``: next item, ``None`` at end of stream, :class:`queue.Empty` if none yet."""
+
+
+def _to_wire(obj: Any) -> Any:
+    """Tensors as numpy arrays: pickling numpy is several times cheaper than torch's reducer."""
+    if isinstance(obj, torch.Tensor):
+        return ("__t", obj.detach().cpu().numpy())
+    if isinstance(obj, dict):
+        return {k: _to_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_wire(v) for v in obj)
+    return obj
+
+
+def _from_wire(obj: Any) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__t":
+        return torch.from_numpy(obj[1])
+    if isinstance(obj, dict):
+        return {k: _from_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_wire(v) for v in obj)
+    return obj
+
+
+class ControlChannel:
+    """The leader's per-slot decisions, broadcast to the cell's stages over the side group."""
+
+    def __init__(self, group: dist.ProcessGroup, leader: int, claim: Claim | None, heartbeat_s: float = 1.0) -> None:
+        self.group = group
+        self.leader = leader
+        self.claim = claim
+        self.is_leader = dist.get_rank() == leader
+        self.heartbeat_s = heartbeat_s
+        self.pauses = 0
+        self.paused_s = 0.0
+        self._pending: tuple[list[Any], list[torch.Tensor]] | None = None
+        self.claimed: list[int] = []
+        """Indices (``item["index"]`` when present) of the micro-steps this cell claimed."""
+        self.on_claim: Callable[[int], None] | None = None
+        """Called with each claimed index before the item is used (claim ledger for re-queues)."""
+
+    FRAME = 1 << 16
+    """Bytes of one control frame: a message that fits costs one broadcast (most do); a longer
+    one a second broadcast of exactly its size."""
+
+    def _bcast(self, msg: Any) -> Any:
+        if self.is_leader:
+            # The leader does not wait for its broadcast to complete: it only has to finish
+            # before the next one (its frame is kept alive until then), which takes the
+            # control channel off the pipeline's critical path.
+            self.flush()
+            data = pickle.dumps(_to_wire(msg), protocol=pickle.HIGHEST_PROTOCOL)
+            frame = torch.zeros(self.FRAME + 8, dtype=torch.uint8)
+            frame[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            head = data[: self.FRAME]
+            frame[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            works = [dist.broadcast(frame, src=self.leader, group=self.group, async_op=True)]
+            keep = [frame]
+            if len(data) > self.FRAME:
+                rest = torch.frombuffer(bytearray(data[self.FRAME :]), dtype=torch.uint8)
+                works.append(dist.broadcast(rest, src=self.leader, group=self.group, async_op=True))
+                keep.append(rest)
+            self._pending = (works, keep)
+            return msg
+        frame = torch.zeros(self.FRAME + 8, dtype=torch.uint8)
+        dist.broadcast(frame, src=self.leader, group=self.group)
+        n = int(frame[:8].view(torch.int64)[0])
+        if n <= self.FRAME:
+            payload = frame[8 : 8 + n].numpy().tobytes()
+        else:
+            rest = torch.zeros(n - self.FRAME, dtype=torch.uint8)
+            dist.broadcast(rest, src=self.leader, group=self.group)
+            payload = frame[8:].numpy().tobytes() + rest.numpy().tobytes()
+        return _from_wire(pickle.loads(payload))
+
+    def flush(self) -> None:
+        """Leader: wait until the last message has left (before reusing the group)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            for w in pending[0]:
+                w.wait()
+
+    def broadcast(self, obj: Any) -> Any:
+        """A one-off value from the leader to the whole cell (e.g. a join decision)."""
+        out = self._bcast(obj)
+        self.flush()
+        return out
+
+    def next_item(self) -> Any:
+        """Block (pausing as long as needed) until the next item or ``None`` at end of stream."""
+        t0 = None
+        while True:
+            if self.is_leader:
+                assert self.claim is not None
+                try:
+                    item = self.claim(self.heartbeat_s)
+                    msg: tuple[str, Any] = ("micro", item) if item is not None else ("end", None)
+                    if item is not None and isinstance(item, dict) and "index" in item:
+                        self.claimed.append(int(item["index"]))
+                        if self.on_claim is not None:
+                            self.on_claim(int(item["index"]))
+                except queue_mod.Empty:
+                    msg = ("pause", None)
+                self._bcast(msg)
+            else:
+                msg = self._bcast(None)
+            if msg[0] == "pause":
+                if t0 is None:
+                    t0 = time.monotonic()
+                    self.pauses += 1
+                continue
+            if t0 is not None:
+                self.paused_s += time.monotonic() - t0
+            return msg[1]
+
+
+@dataclass
+class StreamResult:
+    micro_steps: int = 0
+    tokens: int = 0
+    losses: list[Any] = field(default_factory=list)
+    """The loss function's third output per micro-step, on the last stage (in order)."""
+    pauses: int = 0
+    paused_s: float = 0.0
+
+
+def run_streaming_1f1b(
+    model: torch.nn.Module,
+    config: Any,
+    p2p: compat.P2P,
+    control: ControlChannel,
+    forward_step_func: Callable[..., Any],
+    shape_of: Callable[[Any], list[tuple[int, ...]]],
+) -> StreamResult:
+    """Forward and backward every micro-step of the stream through this pipeline stage.
+
+    ``shape_of(item)`` is the activation shape sent between stages for that item; every stage
+    knows each item, so shapes need no extra communication even when lengths vary.
+    Gradients accumulate in the model's (DDP) grad buffers; nothing is reduced here.
+    """
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+    from megatron.core.utils import get_model_type
+
+    model_type = get_model_type(model)
+    warmup = p2p.pp_group.size() - p2p.pp_group.rank() - 1
+    inputs: deque[Any] = deque()
+    outputs: deque[Any] = deque()
+    shapes: deque[Any] = deque()
+    store: list[Any] = []
+    res = StreamResult()
+    total = torch.zeros([], dtype=torch.int64)
+
+    def forward(item: Any, x: Any) -> Any:
+        nonlocal total
+        y, n = compat.forward_step(
+            forward_step_func, iter([item]), model, x, store, config, p2p.is_last, res.micro_steps
+        )
+        total += n.to(torch.int64)
+        res.micro_steps += 1
+        return y
+
+    def backward(grad: Any) -> Any:
+        x0, y0 = inputs.popleft(), outputs.popleft()
+        shapes.popleft()
+        return compat.backward_step(x0, y0, grad, model_type, config)
+
+    ended = False
+    while len(outputs) < warmup:  # warm-up forwards
+        item = control.next_item()
+        if item is None:
+            ended = True
+            break
+        x = p2p.recv_forward(shape_of(item))
+        y = forward(item, x)
+        p2p.send_forward(y)
+        inputs.append(x), outputs.append(y), shapes.append(shape_of(item))
+        deallocate_output_tensor(y[0] if isinstance(y, list) else y, config.deallocate_pipeline_outputs)
+    if not ended:
+        item = control.next_item()
+        if item is None:
+            ended = True
+        else:
+            x = p2p.recv_forward(shape_of(item))
+    while not ended:  # steady 1F1B
+        y = forward(item, x)
+        inputs.append(x), outputs.append(y), shapes.append(shape_of(item))
+        grad = p2p.send_forward_recv_backward(y, shapes[0])
+        deallocate_output_tensor(y[0] if isinstance(y, list) else y, config.deallocate_pipeline_outputs)
+        gin = backward(grad)
+        item = control.next_item()  # the pause point
+        if item is None:
+            p2p.send_backward(gin)
+            ended = True
+        else:
+            x = p2p.send_backward_recv_forward(gin, shape_of(item))
+    while outputs:  # cool-down backwards (the drain)
+        grad = p2p.recv_backward(shapes[0])
+        p2p.send_backward(backward(grad))
+    control.flush()
+    res.tokens = int(total)
+    res.losses = store
+    res.pauses, res.paused_s = control.pauses, control.paused_s
+    return res

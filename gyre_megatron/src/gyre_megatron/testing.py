@@ -1,0 +1,71 @@
+"""Synthetic micro-steps for tests and benchmarks: ``{tokens, labels, loss_mask, index}`` rows.
+
+The streaming schedule is generic over what a micro-step holds; these plain next-token rows with
+a random loss mask exercise it with megatron-core's own per-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["feed_in_bursts", "make_items", "make_microsteps"]
+
+
+def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = torch.randint(0, vocab, (1, seq_len + 1), generator=g)
+        mask = (torch.rand(1, seq_len, generator=g) > 0.2).float()
+        out.append({"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(), "loss_mask": mask,
+                    "index": torch.tensor(i)})
+    return out
+
+
+def make_microsteps(n: int, rows: int = 2, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[Any]:
+    """Real data-plane :class:`MicroStep` values (one pack of ``rows`` rows, the longest exactly
+    ``seq_len`` tokens): a context prefix, then a sampled response whose tokens carry ``W_t``."""
+    from gyre_core.dataplane.materialise import TrainingRow
+    from gyre_core.dataplane.packing import MicroStep, Pack
+    from gyre_core.interfaces import RoleClass
+    from gyre_core.trajectory import NO_RESPONSE, TrajectoryRow
+
+    g = torch.Generator().manual_seed(seed)
+    n_exec = n * rows
+    out = []
+    for i in range(n):
+        packed = []
+        for j in range(rows):
+            length = seq_len if j == 0 else int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
+            ctx = length // 2
+            mask = torch.zeros(length, dtype=torch.bool)
+            mask[ctx:] = True
+            rid = torch.full((length,), NO_RESPONSE, dtype=torch.int64)
+            rid[ctx:] = 1000 * i + j
+            lp = torch.where(mask, -torch.rand(length, generator=g), torch.zeros(length))
+            row = TrajectoryRow(i * rows + j, i, RoleClass.MAIN_AGENT_TASK,
+                                torch.randint(0, vocab, (length,), generator=g), mask, lp, rid)
+            weights = torch.where(mask, torch.full((length,), 1.0 / (n_exec * (length - ctx))), torch.zeros(length))
+            packed.append(TrainingRow(row, i * rows + j, 1.0, weights))
+        out.append(MicroStep(0, i, (Pack(tuple(packed), n_exec),)))
+    return out
+
+
+def feed_in_bursts(q: Any, items: Sequence[Any], burst: int, gap_s: float, close: bool = True) -> threading.Thread:
+    """Put ``items`` into ``q`` ``burst`` at a time, ``gap_s`` apart, in a thread; then close."""
+
+    def run() -> None:
+        for i, it in enumerate(items):
+            q.put(it)
+            if (i + 1) % burst == 0 and i + 1 < len(items):
+                time.sleep(gap_s)
+        if close:
+            q.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th

@@ -1,0 +1,98 @@
+"""Satellite weight pull over the Mooncake Transfer Engine (TCP on CPU, RDMA on GPUs).
+
+A joining satellite must not interrupt the core, which is mid-batch: a collective broadcast would
+need every member of the prefix group to take part, including satellites busy with their own
+micro-steps. A one-sided read needs nobody: the core *exposes* its parameters (registers their
+memory once per step and publishes the addresses in the c10d store) and the satellite *pulls*
+them. The parameters are a valid snapshot for the whole join window because the core only
+updates them after the gradient all-reduce, which the satellite itself takes part in after its
+pull. A checksum published with the layout lets the satellite refuse a torn or wrong read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Exposure", "WeightTransport", "checksum"]
+
+
+def checksum(tensors: Sequence[torch.Tensor]) -> float:
+    """A float64 fingerprint of ``tensors`` (order-sensitive): sum of ``i``-weighted sums."""
+    return float(sum((i + 1) * t.detach().double().sum().item() for i, t in enumerate(tensors)))
+
+
+@dataclass
+class Exposure:
+    key: str
+    addrs: list[int]
+
+
+class WeightTransport:
+    """One Mooncake engine per rank, created lazily (init takes milliseconds)."""
+
+    def __init__(self, store: Any, host: str = "127.0.0.1") -> None:
+        self.store = store
+        self.host = host
+        self._engine: Any = None
+        self._registered: set[int] = set()
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+            from mooncake.engine import TransferEngine
+
+            e = TransferEngine()
+            rc = e.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
+            if rc != 0:
+                raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({rc})")
+            self._engine = e
+        return self._engine
+
+    def _register(self, t: torch.Tensor) -> tuple[int, int]:
+        addr, n = t.data_ptr(), t.numel() * t.element_size()
+        if addr not in self._registered:
+            if self.engine.register_memory(addr, n) != 0:
+                raise RuntimeError(f"Mooncake register_memory failed at {addr:#x} ({n} bytes)")
+            self._registered.add(addr)
+        return addr, n
+
+    def release(self) -> None:
+        """Unregister everything (storages may move, e.g. after an offload round trip)."""
+        if self._engine is not None:
+            for addr in self._registered:
+                self._engine.unregister_memory(addr)
+        self._registered.clear()
+
+    def expose(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Core: make ``tensors`` readable and publish where they are under ``key``."""
+        bufs = [self._register(t) for t in tensors]
+        peer = f"{self.host}:{self.engine.get_rpc_port()}"
+        self.store.set(key, json.dumps({"peer": peer, "bufs": bufs, "checksum": checksum(tensors)}))
+
+    def pull(self, key: str, tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
+        """Satellite: read the exposed tensors into ``tensors``; return (bytes, seconds)."""
+        t0 = time.monotonic()
+        meta = json.loads(self.store.get(key))
+        if len(meta["bufs"]) != len(tensors):
+            raise RuntimeError(f"{key}: layout mismatch ({len(meta['bufs'])} vs {len(tensors)} tensors)")
+        local = [self._register(t) for t in tensors]
+        for (la, ln), (ra, rn) in zip(local, meta["bufs"]):
+            if ln != rn:
+                raise RuntimeError(f"{key}: size mismatch {ln} vs {rn}")
+        rc = self.engine.batch_transfer_sync_read(
+            meta["peer"], [a for a, _ in local], [a for a, _ in meta["bufs"]], [n for _, n in local]
+        )
+        if rc != 0:
+            raise RuntimeError(f"Mooncake read from {meta['peer']} failed ({rc})")
+        got = checksum(tensors)
+        if abs(got - meta["checksum"]) > 1e-9 * max(1.0, abs(meta["checksum"])):
+            raise RuntimeError(f"{key}: checksum mismatch after pull ({got} vs {meta['checksum']})")
+        return sum(n for _, n in local), time.monotonic() - t0

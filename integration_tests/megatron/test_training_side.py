@@ -1,0 +1,164 @@
+"""§3/§4/§7 through the plugin seam: ``gyre_make_training_side`` for 3 cells x PP = 1.
+
+Cells enter as a growing prefix: cell 1 joins step 0 mid-batch (prefix of 2), stays for step 1,
+which cell 2 joins mid-batch (prefix of 3, the second prefix group set).
+
+The sides come from the entry-point-loaded plugin manager, as ``gyre-orchestrate`` gets them.
+The fault test kills a satellite mid-batch: the core must notice within a bounded time, apply
+nothing, report the dead cell's claimed micro-steps for re-queueing (none counted twice), and
+finish the batch with the surviving cells with the same result as a core-only run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.megatron, pytest.mark.mooncake, pytest.mark.timeout(300)]
+pytest.importorskip("megatron.core")
+pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda + libibverbs1)")
+
+from gyre_megatron.testing import feed_in_bursts, make_items  # noqa: E402
+
+DATA_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory):
+    from gyre_core.plugins import plugin_manager
+    from gyre_megatron.side import shutdown_worlds
+
+    pm = plugin_manager()
+    opts = {"cells": 3, "pp": 1, "data_timeout_s": DATA_TIMEOUT_S, "side_timeout_s": DATA_TIMEOUT_S,
+            "heartbeat_s": 0.3, "max_steps": 8, "publish_dir": str(tmp_path_factory.mktemp("weights")),
+            "step_timeout_s": 120}
+    try:
+        s0 = pm.hook.gyre_make_training_side(cell=0, options=opts)
+        s1 = pm.hook.gyre_make_training_side(cell=1, options=opts)
+        s2 = pm.hook.gyre_make_training_side(cell=2, options=opts)
+        yield s0, s1, s2
+    finally:
+        shutdown_worlds()
+
+
+def _wait_claimed(q, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while q.unclaimed() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
+    from gyre_core.interfaces import TrainingSide
+
+    s0, s1, s2 = sides
+    assert all(isinstance(s, TrainingSide) for s in sides)
+    assert s0.world is s1.world is s2.world
+    for s in sides:
+        (t,) = s.leave_training()
+        assert (t.transition, t.phase) == ("to_rollout", "offload_training_state")
+        (t,) = s.enter_training()
+        assert t.transition == "to_training" and t.duration >= 0
+    items = make_items(8, seed=20)
+    q = s0.micro_step_queue(0)
+    s0.start_step(0)
+    for it in items[:3]:
+        q.put(it)
+    _wait_claimed(q)
+    s1.join_step(0)
+    time.sleep(0.5)
+    feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
+    s0.close_stream(0)
+    s1.close_stream(0)
+    (core,), (sat,) = s0.last_step_info, s1.last_step_info
+    assert core["m"] == sat["m"] == 2 and sat["joined"]
+    assert sorted(core["claimed"] + sat["claimed"]) == list(range(8))
+    params = s0.world.call([0, 1], "params_numpy")
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
+    # the next step of the burst: cell 1 stays and needs no pull (it got the update); cell 2 joins
+    items = make_items(8, seed=22)
+    q = s0.micro_step_queue(1)
+    s0.start_step(1)
+    s1.join_step(1)
+    for it in items[:3]:
+        q.put(it)
+    _wait_claimed(q)
+    s2.join_step(1)
+    time.sleep(0.5)
+    feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
+    for s in sides:
+        s.close_stream(1)
+    (core,), (sat1,), (sat2,) = (s.last_step_info for s in sides)
+    assert sat1["joined"] and "pull_bytes" not in sat1 and sat2["pull_bytes"] > 0
+    assert core["m"] == sat1["m"] == sat2["m"] == 3
+    assert sorted(core["claimed"] + sat1["claimed"] + sat2["claimed"]) == list(range(8))
+    params = s0.world.call([0, 1, 2], "params_numpy")
+    assert all(np.array_equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+    ref = s0.publish_weights(1)
+    assert ref.version == 1
+    import os
+
+    assert os.path.isfile(os.path.join(ref.location, "model.safetensors"))
+
+
+def test_dead_satellite_fails_step_cleanly_and_survivors_finish_batch(sides) -> None:
+    """Cells 1 and 2 join; cell 2 dies mid-batch. The step fails without applying anything, cell
+    2's claimed micro-steps are re-queued, and the core with cell 1 (the surviving prefix)
+    finishes the batch on their kept gradients: the result equals a core-only run."""
+    from gyre_megatron.launch import RankError
+    from gyre_megatron.runtime import StepFailed
+
+    s0, s1, s2 = sides
+    w = s0.world
+    items = make_items(10, seed=21)
+    w.call([0, 1, 2], "save_state")
+    # reference: the core alone
+    q = s0.micro_step_queue(2)
+    s0.start_step(2)
+    feed_in_bursts(q, items, burst=5, gap_s=0.1).join()
+    s0.close_stream(2)
+    ref = w.call([0], "params_numpy")[0]
+    w.call([0, 1, 2], "restore_state")
+    # cells 1 and 2 join; cell 2 dies after claiming 2 micro-steps (or at the end of the stream)
+    q = s0.micro_step_queue(3)
+    s0.start_step(3)
+    for it in items[:2]:
+        q.put(it)
+    _wait_claimed(q)
+    s1.join_step(3)
+    time.sleep(0.3)
+    sat_ticket = w.submit([2], "run_step", 3, s2._queue_index(3), False, 2)
+    time.sleep(0.5)
+    feed_in_bursts(q, items[2:], burst=3, gap_s=0.3).join()
+    t0 = time.monotonic()
+    with pytest.raises(StepFailed) as failure:
+        s0.close_stream(3)
+    detect_s = time.monotonic() - t0
+    assert detect_s <= DATA_TIMEOUT_S + 10, detect_s
+    with pytest.raises(StepFailed):
+        s1.close_stream(3)
+    with pytest.raises(RankError, match="died"):
+        w.wait(sat_ticket, 30)
+    assert failure.value.survivors == 2
+    assert list(failure.value.requeue) == [2]
+    requeued = failure.value.requeue[2]
+    (core,), (sat1,) = s0.last_step_info, s1.last_step_info
+    assert sorted(core["claimed"] + sat1["claimed"] + requeued) == list(range(10))  # none lost or twice
+    print(f"\nfault: detected in {detect_s:.2f} s after the stream closed; re-queued {requeued}; "
+          f"core kept {len(core['claimed'])}, cell 1 kept {len(sat1['claimed'])}")
+    # the surviving prefix finishes the batch with the re-queued micro-steps
+    q2, done0 = s0.resume_step(3)
+    _, done1 = s1.resume_step(3)
+    for i in requeued:
+        q2.put(items[i])
+    q2.close()
+    (info,) = done0()
+    (info1,) = done1()
+    assert info["m"] == info1["m"] == 2 and info["update_ok"]
+    assert info["micro_steps"] + info1["micro_steps"] == len(requeued)
+    got = w.call([0, 1], "params_numpy")
+    print(f"fault: params max|survivors - core alone| {max(float(np.abs(got[0][k] - ref[k]).max()) for k in ref):.3g}")
+    for k in ref:
+        np.testing.assert_allclose(got[0][k], ref[k], rtol=0, atol=5e-6, err_msg=k)
+        assert np.array_equal(got[1][k], got[0][k]), k
