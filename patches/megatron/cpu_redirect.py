@@ -25,9 +25,12 @@ import functools
 import importlib
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
 
 _CPU = torch.device("cpu")
 
@@ -232,3 +235,26 @@ def apply_common(module_names: Iterable[str], tensor_cuda: bool = False) -> Redi
         r.revert()
         raise
     return r
+
+
+CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+)
+"""The megatron-core modules with CUDA-only lines, 0.13 to 0.16 alike."""
+
+
+def apply_for(
+    target: SpecifierSet, version: str, module_names: Iterable[str], tensor_cuda: bool = False
+) -> Redirection:
+    """Apply a version's redirection; refuse any ``version`` outside its ``target``."""
+    if version not in target:
+        raise ValueError(f"this patch targets megatron-core {target}, not {version}")
+    return apply_common(module_names, tensor_cuda=tensor_cuda)
