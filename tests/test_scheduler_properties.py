@@ -63,7 +63,6 @@ class World:
         self.launch_count = 0
         self.end_count = 0
         self.ended: set[int] = set()
-        self.in_burst_d: int | None = None
         self.steps_done = 0
 
     def send(self, event: ev.Event) -> None:

@@ -108,7 +108,6 @@ class Snapshot:
     cell_states: tuple[CellState, ...]
     published_version: int
     steps_done: int
-    in_burst: bool
 
     @property
     def waterlevel(self) -> int:
@@ -200,18 +199,11 @@ class Scheduler:
             cell_states=tuple(self._cells),
             published_version=self.published_version,
             steps_done=self.steps_done,
-            in_burst=self._phase is not _Phase.ROLLOUT,
         )
 
     def cells_in_training(self) -> int:
         """k(t): cells not serving rollouts (switching either way, or training)."""
         return sum(1 for s in self._cells if s is not CellState.ROLLOUT)
-
-    def group_version(self, group_id: int) -> int:
-        return self._groups[group_id].version
-
-    def execution_engine(self, execution_id: int) -> int | None:
-        return self._execs[execution_id].engine
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a structural invariant is broken (used by property tests)."""
