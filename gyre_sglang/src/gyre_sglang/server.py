@@ -1,0 +1,169 @@
+"""Start and stop a real SGLang server process, with Gyre's plugin and (on CPU) Gyre's patches.
+
+Used by tests, benchmarks and the embedded default of ``gyre-orchestrate run``; on a cluster the
+servers are usually started by the user's own launcher with the same arguments. The server runs in
+its own process group so that teardown reaches its scheduler and detokenizer children, and only
+them: SIGTERM to the group, SIGKILL after a bounded wait (an SGLang CPU server can linger for 20 s
+after SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["SGLangServer", "ServerStartError", "free_port", "patches_dir"]
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy within the start timeout."""
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def patches_dir() -> Path:
+    """The repository's ``patches/`` folder (``GYRE_PATCHES_DIR`` overrides)."""
+    env = os.environ.get("GYRE_PATCHES_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "patches"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+
+
+@dataclass
+class SGLangServer:
+    """One ``python -m sglang.launch_server`` process serving ``model_dir``.
+
+    ``extra_args`` pass through to SGLang unchanged (any server argument a user would give it).
+    On a machine without CUDA the CPU engine is selected and Gyre's CPU patch is applied in every
+    server process; ``max_total_tokens`` bounds the KV pool (SGLang otherwise reserves ~15 GB).
+    """
+
+    model_dir: str | Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    max_total_tokens: int = 8192
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: str | Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(self.model_dir),
+            "--host", self.host, "--port", str(self.port),
+            "--max-total-tokens", str(self.max_total_tokens),
+        ]
+        if not _cuda_available():
+            cmd += ["--device", "cpu"]
+        return cmd + list(self.extra_args)
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if not _cuda_available():
+            site = patches_dir() / "sglang" / "site"
+            env["GYRE_SGLANG_CPU_PATCH"] = str(patches_dir())
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            env.setdefault("MC_LOG_LEVEL", "ERROR")
+        env.update(self.env)
+        return env
+
+    def start(self, timeout: float = 240.0) -> "SGLangServer":
+        """Launch and wait until ``/health_generate`` answers; ``ServerStartError`` otherwise."""
+        if self.port == 0:
+            self.port = free_port()
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), env=self._environment(), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"SGLang server exited with code {self.proc.returncode}; log: {self.log_path}")
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"SGLang server not healthy after {timeout:.0f} s; log: {self.log_path}")
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=timeout) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds; idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            proc.wait()
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                # The leader is gone; children of the group may linger: give them the same signal.
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def kill(self) -> None:
+        """SIGKILL the whole server at once (fault injection)."""
+        if self.proc is not None:
+            try:
+                os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
