@@ -17,7 +17,11 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 __all__ = [
     "SEAMS",
     "Assessment",
+    "EngineClient",
+    "EngineError",
+    "EngineUnreachable",
     "ExecutionSpec",
+    "GenerateResult",
     "HarnessHandle",
     "PhaseTiming",
     "RoleClass",
@@ -277,3 +281,70 @@ class TrajectoryLeaf(Protocol):
 
     @property
     def metadata(self) -> Mapping[str, Any]: ...
+
+
+class EngineError(RuntimeError):
+    """A rollout engine answered a request with an error (non-2xx, or a malformed answer).
+
+    Carries the endpoint and the engine's own message, so a failure deep inside a role switch or
+    a retried model call still says which call failed and why.
+    """
+
+    def __init__(self, endpoint: str, status: int | None, message: str) -> None:
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+        where = f"{endpoint} -> HTTP {status}" if status is not None else endpoint
+        super().__init__(f"{where}: {message}")
+
+
+class EngineUnreachable(EngineError):
+    """The engine did not answer at all (connection refused or reset, timeout): the request may
+    be retried elsewhere."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What one engine call produced, token-exact: the proxy records exactly these.
+
+    ``logprobs[i]`` is the behaviour log-prob of ``output_ids[i]``. ``finish_reason`` is
+    ``"stop"``, ``"length"`` or ``"abort"`` (an abort returns the partial output generated so far).
+    ``cached_tokens`` counts prompt tokens the engine did not have to recompute.
+    """
+
+    rid: str
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    weight_version: str = ""
+    matched_stop: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.output_ids) != len(self.logprobs):
+            raise ValueError(
+                f"GenerateResult: {len(self.output_ids)} output ids but {len(self.logprobs)} log-probs"
+            )
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The part of a rollout engine the TITO proxy needs: token ids in, token ids out.
+
+    Implemented by ``gyre_sglang.client.SGLangClient``; the core never imports a backend.
+    Errors are :class:`EngineError` (:class:`EngineUnreachable` when nothing answered).
+    """
+
+    url: str
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult: ...
+
+    async def abort_request(self, rid: str) -> None: ...
