@@ -1,22 +1,37 @@
 """The ``gyre`` entry point of ``gyre-sglang``.
 
-For now this module only describes the plugin. Later issues fill the seam it announces:
-``gyre_make_serving_side`` (a :class:`gyre_core.interfaces.ServingSide` that drives an SGLang
-server over HTTP: stop intake and hand requests off for rerouting, abort, flush, release and resume
-memory, load published weights, health). The SGLang server-side plugin (entry-point group
-``sglang.srt.plugins``) is registered by a later issue too. Keep SGLang imports inside the hook
-bodies: this module is imported whenever ``gyre-orchestrate`` starts.
+Implements ``gyre_make_serving_side``: a :class:`gyre_core.interfaces.ServingSide` that drives an
+SGLang server over HTTP (:mod:`gyre_sglang.serving_side`). The SGLang server-side plugin lives in
+:mod:`gyre_sglang.server_plugin` (entry-point group ``sglang.srt.plugins``). SGLang itself is
+never imported here: this module is imported whenever ``gyre-orchestrate`` starts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
 
 from gyre_sglang import __version__
+from gyre_sglang.client import SUPPORTED_SGLANG
 
 
 @hookimpl
 def gyre_plugin_info() -> dict[str, Any]:
-    return {"name": "gyre-sglang", "version": __version__, "seams": ["serving"]}
+    return {"name": "gyre-sglang", "version": __version__, "seams": ["serving"],
+            "supports": {"sglang": SUPPORTED_SGLANG}}
+
+
+@hookimpl
+def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> Any:
+    """Options: ``url`` of the engine's SGLang server (required; ``None`` without it, so another
+    backend may answer), ``on_phase`` callback, ``weight_loader``, ``memory_tags``,
+    ``drain_timeout``."""
+    url = options.get("url")
+    if not url:
+        return None
+    from gyre_sglang.serving_side import SGLangServingSide
+
+    kwargs = {k: options[k] for k in ("on_phase", "weight_loader", "memory_tags", "drain_timeout", "clock")
+              if k in options}
+    return SGLangServingSide(str(url), cell=engine, **kwargs)

@@ -86,6 +86,7 @@ class SGLangServer:
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        env["GYRE_SGLANG_PLUGIN"] = "1"
         if not _cuda_available():
             site = patches_dir() / "sglang" / "site"
             env["GYRE_SGLANG_CPU_PATCH"] = str(patches_dir())

@@ -1,0 +1,157 @@
+"""The serving side of a cell: an SGLang server switched in and out of rollout.
+
+*To training* (DESIGN.md §3, issue 3 §3), in this order, each phase timed:
+
+1. ``stop_intake``  -- close Gyre's intake gate: new generation requests get 503 and the proxy
+   sends them elsewhere;
+2. ``hand_off``     -- list the requests still in flight and give their ids to the orchestrator,
+   which reserves capacity on the destinations and re-routes them (the proxy retries each one
+   there, invisibly to the harness; with KV hand-off the destination continues without re-prefill);
+3. ``abort``        -- abort what is still running here (each caller gets its partial output with
+   ``finish_reason == "abort"``, which is the proxy's signal to retry at the destination);
+4. ``flush``        -- drop the prefix cache (it refers to KV memory about to be released);
+5. ``release_memory`` -- release KV cache and weights (real on GPUs with
+   ``--enable-memory-saver``; a no-op on SGLang's CPU engine).
+
+*To rollout*: ``resume_memory`` → ``load_weights`` (the version published at the burst's end) →
+``open_intake``.
+
+The engine process stays alive throughout. Every phase is reported as a
+:class:`~gyre_core.interfaces.PhaseTiming` to ``on_phase`` as soon as it ends (the orchestrator
+forwards them to ``gyre_on_event``) and returned in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable, Sequence
+
+from gyre_core.interfaces import PhaseTiming, WeightsRef
+
+from gyre_sglang.client import SGLangClient
+
+__all__ = ["SGLangServingSide", "WeightLoader"]
+
+WeightLoader = Callable[[SGLangClient, WeightsRef], Awaitable[str]]
+"""Loads a published version into the engine and returns the engine's new ``weight_version``."""
+
+
+async def load_from_disk(client: SGLangClient, weights: WeightsRef) -> str:
+    """Default loader: ``location`` is a model directory in the serving layout (safetensors)."""
+    await client.update_weights_from_disk(weights.location, weight_version=str(weights.version))
+    return await client.weight_version()
+
+
+class SGLangServingSide:
+    """Implements :class:`gyre_core.interfaces.ServingSide` for one SGLang server.
+
+    ``cell`` is the cell index (``-1`` for a standalone engine); ``clock`` gives the times the
+    phases are reported with; ``weight_loader`` turns a :class:`WeightsRef` into loaded weights
+    (from disk by default; ``gyre_sglang.weight_publication`` pulls over Mooncake).
+    The async methods are the real implementation; the synchronous protocol methods run them on
+    a private event loop for callers outside asyncio.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cell: int = -1,
+        clock: Callable[[], float] = time.monotonic,
+        on_phase: Callable[[PhaseTiming], None] | None = None,
+        weight_loader: WeightLoader = load_from_disk,
+        memory_tags: Sequence[str] = ("kv_cache", "weights"),
+        drain_timeout: float = 30.0,
+    ) -> None:
+        self.url = url
+        self.cell = cell
+        self.clock = clock
+        self.on_phase = on_phase
+        self.weight_loader = weight_loader
+        self.memory_tags = tuple(memory_tags)
+        self.drain_timeout = drain_timeout
+        self.weight_version: str | None = None
+
+    def _client(self) -> SGLangClient:
+        return SGLangClient(self.url)
+
+    async def _phase(self, out: list[PhaseTiming], transition: str, name: str, work: Awaitable[object]) -> object:
+        start = self.clock()
+        result = await work
+        timing = PhaseTiming(self.cell, transition, name, start, self.clock())
+        out.append(timing)
+        if self.on_phase is not None:
+            self.on_phase(timing)
+        return result
+
+    async def _drain(self, client: SGLangClient) -> list[str]:
+        """Wait until the engine has no request in flight; the rids still listed at the deadline."""
+        deadline = time.monotonic() + self.drain_timeout
+        while True:
+            rids = await self.in_flight(client)
+            if not rids or time.monotonic() > deadline:
+                return rids
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def in_flight(client: SGLangClient) -> list[str]:
+        return list((await client.get("/gyre/requests"))["rids"])
+
+    async def ato_training(self, hand_off: Callable[[Sequence[str]], object]) -> list[PhaseTiming]:
+        t = "to_training"
+        out: list[PhaseTiming] = []
+        async with self._client() as c:
+            await self._phase(out, t, "stop_intake", c.post("/gyre/intake", {"open": False}))
+
+            async def give_away() -> None:
+                rids = await self.in_flight(c)
+                done = hand_off(rids)
+                if asyncio.iscoroutine(done):
+                    await done
+
+            await self._phase(out, t, "hand_off", give_away())
+
+            async def abort() -> None:
+                await c.abort_all()
+                left = await self._drain(c)
+                if left:
+                    raise RuntimeError(f"engine {self.url} still runs {len(left)} requests after abort: {left[:5]}")
+
+            await self._phase(out, t, "abort", abort())
+            await self._phase(out, t, "flush", c.flush_cache())
+            await self._phase(out, t, "release_memory", c.release_memory_occupation(self.memory_tags))  # type: ignore[arg-type]
+        return out
+
+    async def ato_rollout(self, weights: WeightsRef | None) -> list[PhaseTiming]:
+        t = "to_rollout"
+        out: list[PhaseTiming] = []
+        async with self._client() as c:
+            await self._phase(out, t, "resume_memory", c.resume_memory_occupation(list(reversed(self.memory_tags))))  # type: ignore[arg-type]
+            if weights is not None:
+                self.weight_version = str(await self._phase(out, t, "load_weights", self.weight_loader(c, weights)))
+            await self._phase(out, t, "open_intake", c.post("/gyre/intake", {"open": True}))
+        return out
+
+    async def aload_weights(self, weights: WeightsRef) -> str:
+        async with self._client() as c:
+            self.weight_version = await self.weight_loader(c, weights)
+        return self.weight_version
+
+    async def ahealth(self) -> bool:
+        async with self._client() as c:
+            return await c.health()
+
+    # -- the synchronous ServingSide protocol ---------------------------------------------------
+
+    def to_training(self, hand_off: Callable[[Sequence[str]], None]) -> Sequence[PhaseTiming]:
+        return asyncio.run(self.ato_training(hand_off))
+
+    def to_rollout(self, weights: WeightsRef | None) -> Sequence[PhaseTiming]:
+        return asyncio.run(self.ato_rollout(weights))
+
+    def load_weights(self, weights: WeightsRef) -> None:
+        asyncio.run(self.aload_weights(weights))
+
+    def health(self) -> bool:
+        return asyncio.run(self.ahealth())

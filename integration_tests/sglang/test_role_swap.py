@@ -1,0 +1,78 @@
+"""Role swap of a real SGLang server: to training (stop intake, hand off, abort, flush, release)
+and back to rollout (resume, load the published weights, reopen), each phase timed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gyre_core.interfaces import EngineError, PhaseTiming, WeightsRef
+
+from conftest import start_sglang_server
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(400)]
+
+LONG = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def swap_server(tiny_model_dir, tmp_path_factory):
+    """Its own server: this module closes intake, aborts everything and changes the weights."""
+    server = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("swap-logs"), "swap")
+    yield server
+    server.stop()
+
+
+def test_to_training_then_back_to_rollout(swap_server, tiny_model_dir):
+    from gyre_sglang.client import SGLangClient
+    from gyre_sglang.plugin import gyre_make_serving_side
+
+    reported: list[PhaseTiming] = []
+    side = gyre_make_serving_side(engine=2, options={"url": swap_server.url, "on_phase": reported.append})
+    handed: list[list[str]] = []
+
+    async def go():
+        async with SGLangClient(swap_server.url) as c:
+            rids = [f"swap-{i}" for i in range(3)]
+            running = [asyncio.create_task(c.generate([20 + i, 21, 22], LONG, rid=r)) for i, r in enumerate(rids)]
+            await asyncio.sleep(1.5)
+
+            def hand_off(ids):
+                handed.append(list(ids))
+
+            down = await side.ato_training(hand_off)
+            results = await asyncio.gather(*running)
+            with pytest.raises(EngineError) as refused:
+                await c.generate([1, 2, 3], {"max_new_tokens": 2})
+            up = await side.ato_rollout(WeightsRef(version=7, location=str(tiny_model_dir)))
+            after = await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.0})
+            return rids, down, results, refused.value, up, after
+
+    rids, down, results, refused, up, after = asyncio.run(go())
+
+    assert [p.phase for p in down] == ["stop_intake", "hand_off", "abort", "flush", "release_memory"]
+    assert [p.phase for p in up] == ["resume_memory", "load_weights", "open_intake"]
+    assert all(p.transition == "to_training" for p in down) and all(p.transition == "to_rollout" for p in up)
+    assert all(p.cell == 2 and p.duration >= 0 for p in down + up)
+    assert reported == down + up  # each phase reported as it ended, in order
+    for a, b in zip(down + up, (down + up)[1:]):
+        assert a.end <= b.start + 1e-9
+
+    assert handed == [sorted(rids)]  # exactly the requests in flight were handed off
+    # Each caller got its partial output (possibly empty if still queued) marked as aborted.
+    assert [r.finish_reason for r in results] == ["abort"] * 3
+    assert all(len(r.output_ids) < 4000 for r in results) and any(r.output_ids for r in results)
+    assert refused.status == 503 and "leaving rollout" in refused.message
+
+    assert side.weight_version == "7"
+    assert after.weight_version == "7" and len(after.output_ids) == 4
+
+
+def test_protocol_conformance_and_health(sglang_server):
+    from gyre_core.interfaces import ServingSide
+    from gyre_sglang.serving_side import SGLangServingSide
+
+    side = SGLangServingSide(sglang_server.url, cell=0)
+    assert isinstance(side, ServingSide)
+    assert side.health()
