@@ -49,22 +49,28 @@ fingerprint=$(
 import hashlib, pathlib, sys
 h = hashlib.sha256(sys.version.encode())
 for p in ["gyre_core/pyproject.toml", "gyre_megatron/pyproject.toml", "gyre_sglang/pyproject.toml",
-          "requirements-dev.txt", "scripts/setup.sh"]:
+          "requirements-dev.txt", "scripts/setup.sh",
+          "gyre_sglang/install/sglang-cpu-requirements.txt", "gyre_sglang/install/install-sglang-cpu.sh"]:
     h.update(p.encode() + b"\0" + pathlib.Path(p).read_bytes())
 print(h.hexdigest())
 PY
 )
 
 if [ -z "${GYRE_SETUP_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$fingerprint" ] &&
-    "$VENV/bin/python" -c 'import gyre_core, gyre_megatron, gyre_sglang, pytest' 2>/dev/null; then
+    "$VENV/bin/python" -c 'import gyre_core, gyre_megatron, gyre_sglang, pytest, sglang' 2>/dev/null; then
     exit 0
 fi
 
 log "installing gyre-core, gyre-megatron, gyre-sglang (editable) and test tools into $VENV/"
 rm -f "$STAMP"
 "$VENV/bin/python" -m pip install "${PIP_QUIET[@]}" --upgrade pip
-# One pip command, so gyre-core==0.1.0 (required by the plugins) resolves to ./gyre_core.
+# One pip command, so gyre-core==0.1.0 (required by the plugins) resolves to ./gyre_core and the
+# versions SGLang pins (transformers, tokenizers, ...) are resolved together with everything else.
 "$VENV/bin/python" -m pip install "${PIP_QUIET[@]}" \
-    -e ./gyre_core -e ./gyre_megatron -e ./gyre_sglang -r requirements-dev.txt
+    -e ./gyre_core -e ./gyre_megatron -e ./gyre_sglang -r requirements-dev.txt \
+    -r gyre_sglang/install/sglang-cpu-requirements.txt
+# SGLang itself for its CPU engine (the real server the sglang-marked tests start).
+log "installing SGLang for CPU (gyre_sglang/install/install-sglang-cpu.sh)"
+gyre_sglang/install/install-sglang-cpu.sh "$VENV/bin/python"
 echo "$fingerprint" >"$STAMP"
 log "done"

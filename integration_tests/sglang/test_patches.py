@@ -1,0 +1,74 @@
+"""Gyre's SGLang CPU patch (patches/sglang/): version gate, stand-ins, and that it stays off
+unless asked for. Each check runs in a fresh interpreter so sys.modules starts clean."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gyre_sglang.server import patches_dir
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(180)]
+pytest.importorskip("sglang")
+
+
+def run_py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if k not in ("GYRE_SGLANG_CPU_PATCH", "PYTHONPATH")}
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True, timeout=150)
+
+
+def test_select_refuses_unsupported_versions():
+    r = run_py(f"""
+        import importlib.util, sys
+        root = {str(patches_dir() / "sglang")!r}
+        spec = importlib.util.spec_from_file_location("p", root + "/__init__.py", submodule_search_locations=[root])
+        m = importlib.util.module_from_spec(spec); sys.modules["p"] = m; spec.loader.exec_module(m)
+        assert m.select("0.5.23").TARGET.contains("0.5.23")
+        for bad in ("0.5.22", "0.5.24", "0.6.0"):
+            try:
+                m.select(bad)
+            except LookupError as e:
+                assert "0.5.23" in str(e)
+            else:
+                raise SystemExit("accepted " + bad)
+        try:
+            m.select("0.5.23").apply("0.5.24")
+        except LookupError:
+            print("ok")
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_site_hook_installs_stand_ins_only_when_asked():
+    site = str(patches_dir() / "sglang" / "site")
+    probe = """
+        import importlib.util, sys
+        missing = [m for m in ("sgl_kernel",) if importlib.util.find_spec(m) is None]
+        print("missing=" + ",".join(missing))
+        if not missing:
+            import triton, sgl_kernel                      # real triton (xgrammar pulls it) or SGLang's stub
+            assert triton.cdiv(7, 2) == 4
+            try:
+                import sgl_kernel.scalar_type              # left absent: SGLang's fallback runs
+            except ImportError:
+                print("scalar_type-absent")
+            from transformers.utils import import_utils
+            print("torchvision-for-transformers=" + str(import_utils.is_torchvision_available()))
+            from sglang.srt.layers.quantization.utils import scalar_types
+            print("fallback=" + type(scalar_types).__name__)
+    """
+    off = run_py(probe, PYTHONPATH=site)  # on PYTHONPATH but not enabled: inert
+    assert off.returncode == 0, off.stderr
+    assert "missing=sgl_kernel" in off.stdout
+
+    on = run_py(probe, PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH=str(patches_dir()))
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.splitlines()[0] == "missing="
+    assert "scalar_type-absent" in on.stdout
+    assert "torchvision-for-transformers=False" in on.stdout
+    assert "fallback=MockScalarTypes" in on.stdout
