@@ -55,11 +55,14 @@ def test_abort_by_rid_returns_partial_output(sglang_server):
                 c.generate([9, 10, 11], {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}, rid="t-abort-1")
             )
             await asyncio.sleep(1.0)
-            await c.abort_request("t-abort-1")
-            await c.abort_request("no-such-rid")  # unknown rid: harmless, idempotent
-            return await asyncio.wait_for(task, 60)
+            await c.abort_known("t-abort-1")
+            await c.abort_request("no-such-rid")  # SGLang's endpoint: unknown rid passes silently
+            with pytest.raises(EngineError) as unknown:
+                await c.abort_known("no-such-rid")  # Gyre's: a clear error
+            return await asyncio.wait_for(task, 60), unknown.value
 
-    res = run(go())
+    res, unknown = run(go())
+    assert unknown.status == 404 and "no-such-rid" in unknown.message
     assert res.finish_reason == "abort"
     assert 0 < len(res.output_ids) < 4000
     assert len(res.logprobs) == len(res.output_ids)

@@ -182,6 +182,11 @@ class SGLangClient:
         """``POST /abort_request``. SGLang ignores unknown rids; so does this (it is idempotent)."""
         await self.post("/abort_request", {"rid": rid})
 
+    async def abort_known(self, rid: str) -> None:
+        """Gyre's ``POST /gyre/abort``: like :meth:`abort_request`, but an rid the engine does not
+        know raises :class:`EngineError` (404) instead of passing silently."""
+        await self.post("/gyre/abort", {"rid": rid})
+
     async def abort_all(self) -> None:
         await self.post("/abort_request", {"abort_all": True})
 

@@ -7,6 +7,8 @@
 - ``GET /gyre/requests`` lists the rids the engine is working on (the tokenizer manager's own
   table), which are the requests the orchestrator must re-route.
 - ``GET /gyre/intake`` reports the gate's state.
+- ``POST /gyre/abort {"rid"}`` aborts one request and answers 404 for a rid the engine does not
+  know (SGLang's own ``/abort_request`` ignores unknown rids silently, which hides routing bugs).
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ def register() -> None:
         tm = http_server.get_global_state().tokenizer_manager
         return {"rids": sorted(str(r) for r in list(tm.rid_to_state.keys()))}
 
+    async def abort_known(body: dict) -> Any:
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            return JSONResponse({"error": {"type": "invalid_request", "message": "'rid' must be a non-empty string"}},
+                                status_code=400)
+        tm = http_server.get_global_state().tokenizer_manager
+        if rid not in tm.rid_to_state:
+            return JSONResponse({"error": {"type": "not_found", "message": f"no request {rid!r} on this engine"}},
+                                status_code=404)
+        tm.abort_request(rid=rid)
+        return {"aborted": rid}
+
+    app.add_api_route("/gyre/abort", abort_known, methods=["POST"])
     app.add_api_route("/gyre/intake", set_intake, methods=["POST"])
     app.add_api_route("/gyre/intake", get_intake, methods=["GET"])
     app.add_api_route("/gyre/requests", in_flight, methods=["GET"])
