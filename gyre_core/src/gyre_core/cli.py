@@ -3,7 +3,8 @@
 Subcommands:
   simulate  race Gyre, Async and Colocate on a preset or a recorded trace (the same scheduler the
             live orchestrator runs);
-  plugins   list the plugins found through the ``gyre`` entry-point group.
+  plugins   list the plugins found through the ``gyre`` entry-point group;
+  proxy     serve the TITO proxy (OpenAI and Anthropic APIs) in front of rollout engines.
 """
 
 from __future__ import annotations
@@ -48,6 +49,27 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     sub.add_parser("plugins", help="list installed Gyre plugins")
+
+    run = sub.add_parser("run", help="elastic agent RL on real cells (no arguments: the embedded CPU job)")
+    run.add_argument("--config", type=Path, help="run configuration (TOML, or YAML with PyYAML)")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one configuration value (repeatable), e.g. --set scheduler.cells=4")
+    run.add_argument("--steps", type=int, help="training steps (run.steps)")
+    run.add_argument("--mode", choices=[m.value for m in Mode], help="scheduling mode (scheduler.mode)")
+    run.add_argument("--out", help="output directory (run.out_dir)")
+    run.add_argument("--resume", action="store_true", help="continue the run journalled in the output directory")
+    run.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
+
+    px = sub.add_parser("proxy", help="serve the TITO proxy in front of SGLang engines")
+    px.add_argument("--engine", action="append", required=True, metavar="URL", help="SGLang server URL (repeatable)")
+    px.add_argument("--model-dir", type=Path, required=True, help="model directory (tokenizer and chat template)")
+    px.add_argument("--port", type=int, required=True)
+    px.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    px.add_argument("--model-name", action="append", help="model name harnesses ask for (default: the model dir's name)")
+    px.add_argument("--max-new-tokens", type=int, default=4096)
+    px.add_argument("--temperature", type=float, default=1.0)
+    px.add_argument("--top-p", type=float, default=1.0)
+    px.add_argument("--admin-token", help="admin token for /gyre/ routes (default: GYRE_ADMIN_TOKEN or random)")
     return parser
 
 
@@ -146,6 +168,83 @@ def _plugins() -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    import os
+    import secrets
+
+    import uvicorn
+
+    from gyre_core.plugins import plugin_manager
+    from gyre_core.proxy.app import build_app
+    from gyre_core.proxy.render import ChatRenderer
+    from gyre_core.proxy.service import ProxyConfig, ProxyService
+
+    if not (0 < args.port < 65536):
+        raise ConfigError(f"--port: expected 1..65535, got {args.port}")
+    if not args.model_dir.is_dir():
+        raise ConfigError(f"--model-dir: {args.model_dir} is not a directory")
+    clients = _engine_clients(args.engine)
+    names = tuple(args.model_name or [args.model_dir.resolve().name])
+    config = ProxyConfig(served_models=names, max_new_tokens=args.max_new_tokens,
+                         sampling={"temperature": args.temperature, "top_p": args.top_p})
+    pm = plugin_manager()
+    service = ProxyService(ChatRenderer.from_model_dir(args.model_dir), config,
+                           classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
+    for client in clients:
+        service.add_engine(client)
+    token = args.admin_token or os.environ.get("GYRE_ADMIN_TOKEN") or secrets.token_urlsafe(24)
+    base = f"http://{args.host}:{args.port}"
+    print(f"gyre proxy on {base} (models: {', '.join(names)}; engines: {', '.join(args.engine)})", file=sys.stderr)
+    print(f"admin token: {token}", file=sys.stderr)
+    print(f"create an execution: curl -s -X POST {base}/gyre/executions -H 'Authorization: Bearer {token}' "
+          "-H 'Content-Type: application/json' -d '{}'   # -> execution_id, api_key", file=sys.stderr)
+    print(f"then point the harness at {base}/v1 (OpenAI) or {base} (Anthropic) with that api_key", file=sys.stderr)
+    app = build_app(service, admin_token=token)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    return 0
+
+
+def _engine_clients(urls: Sequence[str]) -> list:
+    """Engine clients through the installed serving plugin (the core does not import SGLang)."""
+    try:
+        from importlib import import_module
+
+        client_cls = import_module("gyre_sglang.client").SGLangClient
+    except ImportError as exc:
+        raise ConfigError(f"--engine needs gyre-sglang installed ({exc})") from None
+    return [client_cls(u) for u in urls]
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``gyre-orchestrate run``: validate the whole configuration first, then run it."""
+    from gyre_core.orchestrator.run_config import load_run_config
+
+    overrides: dict[str, object] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item}: expected SECTION.KEY=VALUE")
+        overrides[key.strip()] = value
+    for flag, key in (("steps", "run.steps"), ("mode", "scheduler.mode"), ("out", "run.out_dir")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    if args.resume:
+        overrides["run.resume"] = True
+    cfg = load_run_config(args.config, overrides)
+
+    from gyre_core.orchestrator.embedded import run_live
+
+    summary = run_live(cfg)
+    if args.json_summary:
+        print(json.dumps(summary))
+    else:
+        ex = summary["executions"]
+        print(f"{summary['steps']} steps in {summary['wall_s']:.0f} s ({summary['mode']}); mean staleness "
+              f"{summary['mean_staleness']}; rewards per step {summary['rewards']}; "
+              f"{len(summary['role_switches'])} role switches; executions {ex}; outputs in {cfg.run.out_dir}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from gyre_core.simulator.engine import SimulationStalled
     from gyre_core.simulator.workload import TraceError
@@ -154,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "proxy":
+            return _proxy(args)
+        if args.command == "run":
+            return _run(args)
         return _plugins()
     except (ConfigError, TraceError, OSError) as exc:  # bad input: nothing ran
         print(f"gyre-orchestrate: error: {exc}", file=sys.stderr)

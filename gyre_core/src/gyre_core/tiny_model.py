@@ -11,11 +11,15 @@ is deterministic but not clever. Building takes a few seconds.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model", "cached_tiny_model"]
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -32,7 +36,9 @@ SPECIAL_TOKENS = [
 # Qwen2.5 / Hermes style: tools listed in the system turn as JSON signatures, each tool call of an
 # assistant turn as a <tool_call> JSON block, each tool result as a <tool_response> inside a user
 # turn. ``tojson`` keeps the key order it is given, which is what makes a restored payload render
-# back to the tokens the model sampled.
+# back to the tokens the model sampled. An assistant turn always starts with the generation prompt
+# (``<|im_start|>assistant\n``), even when it is empty, so a recorded answer's rendering extends
+# the prompt it answered (what the proxy's incremental encoding keys on).
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -51,11 +57,12 @@ CHAT_TEMPLATE = (
     "{%- elif message.role == 'user' or message.role == 'system' %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls or [] %}"
     "{%- set fn = tool_call.function if tool_call.function is defined else tool_call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
     "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
@@ -164,3 +171,29 @@ def build_tiny_model(
     gen = {"eos_token_id": [config.eos_token_id], "pad_token_id": tok.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+def cached_tiny_model(cache_root: str | Path | None = None, **kwargs: int) -> Path:
+    """:func:`build_tiny_model` once per machine: reuse a finished build keyed by its inputs.
+
+    Fast tests need the tokenizer and template, not a fresh model each session; the key covers the
+    build arguments and the chat template, so changing either rebuilds. The build goes to a
+    temporary directory that is renamed into place, so a half-written model is never reused.
+    """
+    root = Path(cache_root or os.environ.get("GYRE_CACHE_DIR") or Path.home() / ".cache" / "gyre")
+    key = hashlib.sha256(json.dumps([sorted(kwargs.items()), CHAT_TEMPLATE, SPECIAL_TOKENS]).encode()).hexdigest()[:16]
+    target = root / f"tiny-model-{key}"
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-build-", dir=root))
+    try:
+        build_tiny_model(tmp, **kwargs)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,468 @@
+"""The API-neutral proxy core: executions, credentials, rendering, engine calls, recording.
+
+Interface for the HTTP faces (``openai_api``, ``anthropic_api``) and the orchestrator
+-------------------------------------------------------------------------------------
+::
+
+    service = ProxyService(renderer, config)            # renderer: ChatRenderer(tokenizer)
+    service.add_engine(client, kind="standalone"|"cell", cell_index=None, capacity=inf)
+
+    # orchestrator (also over HTTP under /gyre/, admin token)
+    eid, key = service.create_execution(execution_id=None, sampling=None, metadata=None)
+    service.close_execution(eid)                         # key revoked; records stay readable
+    service.records(eid) -> ExecutionRecords            # .tree, .calls, .tree_json()
+    service.selected(eid, j_max, seed) -> list[SelectedTrajectory]
+    service.reroute(engine_url, destinations=None) -> RerouteResult
+    service.restore_engine(engine_url)
+    service.inflight(engine_url) -> list[str]            # engine request ids in flight there
+
+    # a face, per HTTP request
+    execution_id: str = service.authenticate(api_key)    # ProxyError(401) for an unknown/closed key
+    response: ChatResponse = await service.complete(ChatRequest(execution_id=..., ...))
+    # or, when streaming (so a 4xx still gets its HTTP status before the stream starts):
+    prepared = service.prepare(request)                  # sync; ProxyError 4xx, nothing recorded
+    response = await service.execute(prepared)
+
+    # the HTTP app (``app.build_app``) mounts faces: callables ``face(app, service)`` that add
+    # routes and register their error renderer for their path prefix (``register_error_renderer``);
+    # ``read_json(request, service)``, ``api_key_of(request)``, ``headers_of(request)`` help them.
+
+``complete`` raises :class:`ProxyError` for anything the caller did wrong (4xx, nothing recorded)
+and for engine failures it could not hide (5xx, nothing recorded). A face renders ``ProxyError``
+in its own API's error shape.
+
+Streaming: the engine call is not streamed token by token. A face that was asked to stream calls
+``prepare``, sends its stream's opening event, awaits ``execute``, then emits the answer as its API's events. The
+record must be complete and exact before the harness sees any of it; that is also what lets an
+engine abort during a role change be retried invisibly (see below).
+
+Decisions
+---------
+* Sampling parameters come from Gyre's configuration (global, optionally per execution), never
+  from the harness; the harness's ``max_tokens`` may only lower the cap.
+* An execution is pinned to one engine. When the engine aborts the call (``finish_reason ==
+  "abort"``, a role change) or disappears (:class:`EngineUnreachable`), the partial output is
+  discarded -- not recorded, never shown -- and the *same* prompt is generated again on the
+  execution's engine after the reroute. The record therefore holds one complete generation by
+  one engine with one weight version, whose log-probs are all behaviour log-probs of that policy.
+  (Continuing from prompt + partial would splice two engines, possibly two policy versions, into
+  one answer for a saving of at most one partial generation per role change.)
+* Output generated under a constraint (``regex``, ``json_schema``, ``ebnf``, ``structural_tag`` in
+  the sampling config) is recorded with provenance ``EXTERNAL``: its log-probs are those of the
+  masked distribution, not behaviour log-probs, so those tokens are never training targets. The
+  engine's log-probs stay in the call record.
+* A call the client abandons (disconnect) is aborted at the engine and not recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from gyre_core.interfaces import EngineClient, EngineError, EngineUnreachable, GenerateResult, RoleClass
+from gyre_core.proxy.classify import classify_metadata, request_role_metadata
+from gyre_core.proxy.context_index import Match, answer_tail
+from gyre_core.proxy.parse import parse_output
+from gyre_core.proxy.records import CallRecord, ExecutionRecords
+from gyre_core.proxy.render import ChatRenderer
+from gyre_core.proxy.routing import EngineRouter, NoEngineAvailable, RerouteResult
+from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, Usage
+from gyre_core.proxy.validate import validate_messages, validate_tools
+from gyre_core.selection import select_trajectories
+from gyre_core.trajectory import Provenance, SelectedTrajectory
+
+__all__ = ["CONSTRAINT_KEYS", "ExecutionLeaf", "PreparedCall", "ProxyConfig", "ProxyService"]
+
+CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
+"""Sampling parameters that force tokens: output generated under them is never a target."""
+
+AGENT_ID_HEADERS = ("x-gyre-agent-id", "x-claude-code-agent-id", "x-agent-id")
+PARENT_AGENT_HEADERS = ("x-gyre-parent-agent-id", "x-claude-code-parent-agent-id")
+_SECRET_HEADERS = frozenset({"authorization", "x-api-key", "cookie", "proxy-authorization"})
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Gyre's side of every model call (the harness does not get to choose these)."""
+
+    served_models: tuple[str, ...] = ("gyre",)
+    """Model names the harnesses may ask for; anything else is a 404."""
+    sampling: Mapping[str, Any] = field(default_factory=lambda: {"temperature": 1.0, "top_p": 1.0})
+    """SGLang ``sampling_params`` for every call (``max_new_tokens`` is set per call)."""
+    max_new_tokens: int = 4096
+    context_window: int | None = None
+    """Prompt + answer limit; default: the tokenizer's ``model_max_length``."""
+    max_retries: int = 8
+    retry_wait_s: float = 10.0
+    """How long a retry waits for the orchestrator to reroute an execution off an engine that
+    aborted or vanished before failing over on its own."""
+    max_body_bytes: int = 32 * 1024 * 1024
+
+
+@dataclass
+class _Execution:
+    records: ExecutionRecords
+    key_hash: str
+    sampling: Mapping[str, Any]
+    metadata: Mapping[str, Any]
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A call checked, rendered and encoded, ready for the engine (see :meth:`ProxyService.prepare`)."""
+
+    request: ChatRequest
+    execution_id: int
+    messages: tuple[ChatMessage, ...]
+    """The request's messages with tool-call payloads restored."""
+    prompt: str
+    match: Match
+    new_ids: list[int]
+    """Tokens encoded for this call (the rest of ``input_ids`` was reused from the tree)."""
+    input_ids: list[int]
+    params: dict[str, Any]
+    constrained: bool
+    started: float
+    call_id: str
+    """Id of the record this call will make (known before the engine runs, for stream ids)."""
+
+
+@dataclass(frozen=True)
+class ExecutionLeaf:
+    """A tree leaf as the ``gyre_classify_role`` hook sees it (``TrajectoryLeaf``)."""
+
+    execution_id: int
+    metadata: Mapping[str, Any]
+
+
+def _key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _first_header(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    for n in names:
+        v = headers.get(n)
+        if v:
+            return v
+    return None
+
+
+def default_role(leaf: ExecutionLeaf) -> RoleClass:
+    """Fallback when no plugin classifies a leaf: Claude Code's marks (``classify``)."""
+    return classify_metadata(leaf.metadata)
+
+
+class ProxyService:
+    """The TITO proxy's core. Lives on one asyncio event loop; not thread-safe."""
+
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        config: ProxyConfig | None = None,
+        *,
+        classify: Callable[[ExecutionLeaf], RoleClass | None] | None = None,
+    ) -> None:
+        self.renderer = renderer
+        self.config = config or ProxyConfig()
+        self.router = EngineRouter()
+        self.policy_version: int | None = None
+        self._classify = classify
+        self._executions: dict[int, _Execution] = {}
+        self._by_key: dict[str, int] = {}
+        self._inflight: dict[str, dict[str, int]] = {}  # engine url -> rid -> execution id
+        window = self.config.context_window or renderer.context_window
+        self.context_window: int | None = window
+
+    # -- engines ---------------------------------------------------------------------------------
+
+    def add_engine(self, client: EngineClient, **kwargs: Any) -> None:
+        self.router.add_engine(client, **kwargs)
+
+    def reroute(self, engine_url: str, destinations: list[str] | None = None) -> RerouteResult:
+        """An engine leaves rollout: pin its executions elsewhere (in-flight calls retry there)."""
+        return self.router.reroute(engine_url, destinations)
+
+    def restore_engine(self, engine_url: str) -> None:
+        self.router.restore(engine_url)
+
+    def inflight(self, engine_url: str) -> list[str]:
+        return sorted(self._inflight.get(engine_url, {}))
+
+    # -- executions ------------------------------------------------------------------------------
+
+    def create_execution(
+        self,
+        execution_id: int | None = None,
+        *,
+        sampling: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> tuple[int, str]:
+        """Register an execution; returns its id and a fresh API key (shown once, stored hashed)."""
+        if execution_id is None:
+            execution_id = max(self._executions, default=-1) + 1
+        if isinstance(execution_id, bool) or not isinstance(execution_id, int) or execution_id < 0:
+            raise ProxyError(400, "invalid_request", "execution_id must be a non-negative integer")
+        if execution_id in self._executions:
+            raise ProxyError(409, "conflict", f"execution {execution_id} exists")
+        key = "gyre-" + secrets.token_urlsafe(32)
+        h = _key_hash(key)
+        self._executions[execution_id] = _Execution(
+            ExecutionRecords(execution_id), h, dict(sampling or {}), dict(metadata or {})
+        )
+        self._by_key[h] = execution_id
+        return execution_id, key
+
+    def close_execution(self, execution_id: int) -> None:
+        """Revoke the key and unpin the engine; the records stay readable until :meth:`forget`."""
+        ex = self._get(execution_id)
+        ex.closed = True
+        self._by_key.pop(ex.key_hash, None)
+        self.router.release(execution_id)
+
+    def forget(self, execution_id: int) -> None:
+        self.close_execution(execution_id)
+        del self._executions[execution_id]
+
+    def execution_ids(self) -> list[int]:
+        return sorted(self._executions)
+
+    def is_closed(self, execution_id: int) -> bool:
+        return self._get(execution_id).closed
+
+    def _get(self, execution_id: int) -> _Execution:
+        try:
+            return self._executions[execution_id]
+        except KeyError:
+            raise ProxyError(404, "not_found", f"no execution {execution_id}") from None
+
+    def authenticate(self, api_key: str | None) -> str:
+        """The execution id (as ``ChatRequest.execution_id``) an API key belongs to; else 401."""
+        eid = self._by_key.get(_key_hash(api_key)) if api_key else None
+        if eid is None:
+            raise ProxyError(401, "authentication", "invalid API key")
+        return str(eid)
+
+    def records(self, execution_id: int) -> ExecutionRecords:
+        return self._get(execution_id).records
+
+    def selected(self, execution_id: int, j_max: int, seed: int) -> list[SelectedTrajectory]:
+        """Selection over the execution's tree, classes from the classify hook (fallback: headers)."""
+        rec = self.records(execution_id)
+        roles = {leaf: self.role_of(execution_id, leaf) for leaf in rec.tree.leaves()}
+        return select_trajectories(rec.tree, roles, j_max, seed)
+
+    def role_of(self, execution_id: int, leaf_id: int) -> RoleClass:
+        rec = self.records(execution_id)
+        leaf = ExecutionLeaf(execution_id, dict(rec.tree.node(leaf_id).metadata))
+        role = self._classify(leaf) if self._classify is not None else None
+        return RoleClass(role) if role is not None else default_role(leaf)
+
+    # -- one model call --------------------------------------------------------------------------
+
+    def _check(self, request: ChatRequest) -> tuple[_Execution, int]:
+        try:
+            eid = int(request.execution_id)
+        except (TypeError, ValueError):
+            raise ProxyError(401, "authentication", "unknown execution") from None
+        ex = self._executions.get(eid)
+        if ex is None or ex.closed:
+            raise ProxyError(401, "authentication", "unknown or closed execution")
+        if request.model not in self.config.served_models:
+            raise ProxyError(404, "not_found", f"model {request.model!r} is not served here")
+        if request.max_tokens is not None and (
+            isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1
+        ):
+            raise ProxyError(400, "invalid_request", "max_tokens must be a positive integer")
+        validate_tools(request.tools)
+        validate_messages(request.messages)
+        return ex, eid
+
+    def _sampling(self, ex: _Execution, request: ChatRequest, prompt_len: int) -> dict[str, Any]:
+        params = {**self.config.sampling, **ex.sampling}
+        cap = min(int(params.pop("max_new_tokens", self.config.max_new_tokens)), self.config.max_new_tokens)
+        if request.max_tokens is not None:
+            cap = min(cap, request.max_tokens)
+        if self.context_window is not None:
+            room = self.context_window - prompt_len
+            if room < 1:
+                raise ProxyError(
+                    400, "invalid_request",
+                    f"context_length_exceeded: the prompt has {prompt_len} tokens, the window is {self.context_window}",
+                )
+            cap = min(cap, room)
+        params["max_new_tokens"] = cap
+        return params
+
+    async def complete(self, request: ChatRequest) -> ChatResponse:
+        """Serve one model call and record it (see the module docstring)."""
+        return await self.execute(self.prepare(request))
+
+    def prepare(self, request: ChatRequest) -> "PreparedCall":
+        """Everything before the engine call: checks, payload restoration, rendering, matching,
+        incremental encoding, sampling. Raises :class:`ProxyError` (4xx) with nothing recorded;
+        a streaming face calls it before it sends its response headers."""
+        started = time.time()
+        ex, eid = self._check(request)
+        rec = ex.records
+        messages = rec.payloads.restore(request.messages)
+        prompt = self.renderer.render(messages, request.tools, add_generation_prompt=True)
+        match = rec.index.match(prompt)
+        new_ids = self.renderer.encode(match.tail + prompt[match.matched_chars:])
+        input_ids = rec.path_ids(match.node_id) + new_ids
+        params = self._sampling(ex, request, len(input_ids))
+        constrained = any(params.get(k) is not None for k in CONSTRAINT_KEYS)
+        return PreparedCall(
+            request, eid, messages, prompt, match, new_ids, input_ids, params, constrained, started,
+            "gyre-" + secrets.token_hex(8),
+        )
+
+    async def execute(self, call: "PreparedCall") -> ChatResponse:
+        """The engine call (with invisible retries), parsing, and recording of a prepared call."""
+        request, eid, messages, prompt, match = call.request, call.execution_id, call.messages, call.prompt, call.match
+        new_ids, input_ids, params, constrained, started = (
+            call.new_ids, call.input_ids, call.params, call.constrained, call.started
+        )
+        ex = self._executions.get(eid)
+        if ex is None or ex.closed:
+            raise ProxyError(401, "authentication", "unknown or closed execution")
+        rec = ex.records
+        result, engine_url, attempts, engine_s = await self._generate(eid, input_ids, params)
+        if ex.closed:
+            raise ProxyError(401, "authentication", "execution closed while the call ran")
+
+        prefix = "toolu_" if request.api == "anthropic" else "call_"
+        sampled_text = self.renderer.decode(result.output_ids)
+        parsed = parse_output(sampled_text, eos_text=self.renderer.eos_text, call_id_prefix=prefix)
+        answer = ChatMessage("assistant", parsed.content, parsed.reasoning, parsed.tool_calls)
+        segment, tail = self._continuation(messages, answer, request, prompt, match.matched_chars, sampled_text)
+        logprobs_ok = all(math.isfinite(x) for x in result.logprobs)
+        trainable = not constrained and logprobs_ok
+        finish = result.finish_reason
+        finish_reason = "length" if finish == "length" else ("tool_calls" if parsed.tool_calls else "stop")
+        call_id = call.call_id
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SECRET_HEADERS}
+        agent_id = _first_header(request.headers, AGENT_ID_HEADERS)
+        node_meta = {
+            "call_id": call_id,
+            "api": request.api,
+            "agent_id": agent_id,
+            "parent_agent_id": _first_header(request.headers, PARENT_AGENT_HEADERS),
+            "headers": headers,
+            "engine": engine_url,
+            "weight_version": result.weight_version,
+            "policy_version": self.policy_version,
+            "constrained": constrained,
+            "finish_reason": finish_reason,
+            "system_head": next((m.content[:2000] for m in request.messages if m.role == "system"), ""),
+            "last_user_text": next((m.content[-4000:] for m in reversed(request.messages) if m.role == "user"), ""),
+            "summary_request": bool(request_role_metadata(request).get("summary_request")),
+        }
+        finished = time.time()
+
+        def make_record(node_id: int) -> CallRecord:
+            return CallRecord(
+                call_id=call_id, execution_id=eid, node_id=node_id, parent_id=match.node_id,
+                input_len=len(input_ids), new_input_ids=tuple(new_ids), output_ids=result.output_ids,
+                logprobs=result.logprobs,
+                output_provenance=Provenance.SAMPLED if trainable else Provenance.EXTERNAL,
+                finish_reason=finish_reason, engine=engine_url, weight_version=result.weight_version,
+                policy_version=self.policy_version, agent_id=agent_id, api=request.api, model=request.model,
+                constrained=constrained, attempts=attempts, started_at=started, finished_at=finished,
+                engine_s=engine_s,
+                metadata={"reused_tokens": len(input_ids) - len(new_ids), "cached_tokens": result.cached_tokens,
+                          "logprobs_missing": not logprobs_ok},
+            )
+
+        rec.add_call(
+            parent=match.node_id, new_input_ids=new_ids, output_ids=result.output_ids, logprobs=result.logprobs,
+            output_provenance=Provenance.SAMPLED if trainable else Provenance.EXTERNAL,
+            segment=segment, tail=tail, node_metadata=node_meta, make_record=make_record,
+        )
+        for c in parsed.tool_calls:
+            rec.payloads.put(c)
+        return ChatResponse(
+            call_id=call_id, model=request.model, content=parsed.content, reasoning=parsed.reasoning,
+            tool_calls=parsed.tool_calls, finish_reason=finish_reason,  # type: ignore[arg-type]
+            usage=Usage(len(input_ids), len(result.output_ids), result.cached_tokens),
+        )
+
+    def _continuation(
+        self, messages: tuple[ChatMessage, ...], answer: ChatMessage, request: ChatRequest,
+        prompt: str, matched: int, sampled_text: str,
+    ) -> tuple[str | None, str]:
+        """The new node's canonical segment and tail (see ``context_index``)."""
+        try:
+            canon = self.renderer.render(messages + (answer,), request.tools, add_generation_prompt=False)
+        except ProxyError:
+            return None, ""
+        if not canon.startswith(prompt):
+            return None, ""  # the template renders this answer differently from its prompt: a leaf for good
+        return canon[matched:], answer_tail(canon[len(prompt):], sampled_text, self.renderer.eos_text)
+
+    async def _generate(
+        self, eid: int, input_ids: list[int], params: Mapping[str, Any]
+    ) -> tuple[GenerateResult, str, int, float]:
+        """One complete generation; engine aborts and disappearances are retried invisibly."""
+        cfg = self.config
+        attempts = 0
+        exclude: frozenset[str] = frozenset()
+        t_engine = 0.0
+        while True:
+            try:
+                slot = self.router.assign(eid, exclude=exclude)
+            except NoEngineAvailable:
+                if exclude:
+                    exclude = frozenset()
+                    continue
+                raise ProxyError(503, "overloaded", "no rollout engine is available") from None
+            url = slot.url
+            rid = f"gyre-{eid}-{secrets.token_hex(6)}"
+            attempts += 1
+            self._inflight.setdefault(url, {})[rid] = eid
+            unreachable = False
+            t0 = time.perf_counter()
+            try:
+                result = await slot.client.generate(input_ids, params, rid=rid, return_logprob=True)
+            except EngineUnreachable:
+                unreachable = True
+            except EngineError as exc:
+                raise ProxyError(502, "engine", f"the rollout engine refused the call: {exc.message}") from None
+            except asyncio.CancelledError:
+                asyncio.ensure_future(self._abort_quietly(slot.client, rid))
+                raise
+            finally:
+                t_engine += time.perf_counter() - t0
+                self._inflight.get(url, {}).pop(rid, None)
+            if not unreachable and result.finish_reason != "abort":
+                return result, url, attempts, t_engine
+            if attempts > cfg.max_retries:
+                raise ProxyError(503, "overloaded", f"the call was interrupted {attempts} times; giving up")
+            moved = await self._wait_for_reroute(eid, url)
+            exclude = frozenset({url}) if (unreachable and not moved) else frozenset()
+
+    async def _wait_for_reroute(self, eid: int, url: str) -> bool:
+        """Wait (bounded) until the execution is moved off ``url`` or ``url`` stops accepting."""
+        deadline = time.monotonic() + self.config.retry_wait_s
+        delay = 0.01
+        while True:
+            slot = self.router.slot(url)
+            if self.router.engine_of(eid) != url or not slot.accepting:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    @staticmethod
+    async def _abort_quietly(client: EngineClient, rid: str) -> None:
+        try:
+            await client.abort_request(rid)
+        except Exception:  # best effort: the engine may be gone already
+            pass
+

@@ -1,0 +1,258 @@
+"""The proxy core against ``FakeEngine`` (a named stand-in: scripted tokens, no model).
+
+Checks what must hold for every recorded call: the engine got exactly path tokens + newly encoded
+tokens, only the new content was encoded, divergence branches, unrelated contexts attach to the
+root, credentials isolate executions, engine aborts are retried invisibly, forced output is never
+a target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from gyre_core.proxy.fake_engine import FakeEngine
+from gyre_core.proxy.render import ChatRenderer
+from gyre_core.proxy.service import ProxyConfig, ProxyService
+from gyre_core.proxy.types import ChatMessage, ChatRequest, ProxyError, ToolCall
+from gyre_core.tiny_model import cached_tiny_model
+from gyre_core.trajectory import Provenance, TrajectoryRow
+
+TOOLS = ({"type": "function", "function": {"name": "Bash", "description": "run a command",
+                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}},)
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    return ChatRenderer.from_model_dir(cached_tiny_model())
+
+
+def make(renderer: ChatRenderer, **cfg) -> tuple[ProxyService, FakeEngine]:
+    svc = ProxyService(renderer, ProxyConfig(served_models=("tiny",), retry_wait_s=0.2, **cfg))
+    eng = FakeEngine("http://fake-a")
+    svc.add_engine(eng)
+    return svc, eng
+
+
+def req(eid: int, messages, **kw) -> ChatRequest:
+    return ChatRequest(execution_id=str(eid), model="tiny", messages=tuple(messages), tools=kw.pop("tools", TOOLS), **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def tool_answer(renderer: ChatRenderer, args: str) -> list[int]:
+    return renderer.encode(f'<tool_call>\n{{"name": "Bash", "arguments": {args}}}\n</tool_call><|im_end|>')
+
+
+def test_multi_turn_reuses_tokens_and_encodes_only_new_content(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    eng.script(tool_answer(renderer, '{"command": "ls",   "timeout": 120000.0}'), renderer.encode("all done<|im_end|>"))
+    msgs = [ChatMessage("system", "You are terse."), ChatMessage("user", "list the files")]
+
+    async def conversation() -> None:
+        a = await svc.complete(req(eid, msgs))
+        call = a.tool_calls[0]
+        assert a.finish_reason == "tool_calls" and call.arguments == '{"command": "ls",   "timeout": 120000.0}'
+        # the harness compacts the JSON and drops the .0, as Claude Code does
+        resent = ToolCall(call.id, call.name, json.dumps({"command": "ls", "timeout": 120000}, separators=(",", ":")))
+        msgs.extend([ChatMessage("assistant", a.content, None, (resent,)), ChatMessage("tool", "a.txt b.txt", tool_call_id=call.id)])
+        b = await svc.complete(req(eid, msgs))
+        assert b.content == "all done" and b.finish_reason == "stop"
+
+    run(conversation())
+    rec = svc.records(eid)
+    first, second = rec.calls
+    assert second.parent_id == first.node_id
+    # the engine saw the first call's prompt and its sampled tokens verbatim, then only new tokens
+    assert eng.calls[1].input_ids == eng.calls[0].input_ids + first.output_ids + second.new_input_ids
+    assert list(eng.calls[1].input_ids) == rec.input_ids(second)
+    new_text = "\n<|im_start|>user\n<tool_response>\na.txt b.txt\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.decode(second.new_input_ids) == new_text
+    # restoration made the re-sent history render to exactly what one full encoding gives
+    full = renderer.encode(renderer.render(rec.payloads.restore(tuple(msgs)), TOOLS, add_generation_prompt=True))
+    assert list(eng.calls[1].input_ids) == full
+    # provenance: only sampled tokens are targets
+    node = rec.tree.node(second.node_id)
+    n_in = len(second.new_input_ids)
+    assert node.provenance[:n_in].tolist() == [Provenance.EXTERNAL] * n_in
+    assert node.provenance[n_in:].tolist() == [Provenance.SAMPLED] * len(second.output_ids)
+    assert node.logprobs[n_in:].tolist() == [-0.5] * len(second.output_ids)
+
+
+def test_divergence_branches_and_unrelated_context_attaches_to_root(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    eng.script(renderer.encode("one<|im_end|>"), renderer.encode("two<|im_end|>"), renderer.encode("summary<|im_end|>"),
+               renderer.encode("sub<|im_end|>"))
+    base = [ChatMessage("system", "S"), ChatMessage("user", "task")]
+
+    async def go() -> None:
+        await svc.complete(req(eid, base))
+        h1 = base + [ChatMessage("assistant", "one"), ChatMessage("user", "more")]
+        await svc.complete(req(eid, h1))
+        # compaction: the history is rewritten after the first turn
+        await svc.complete(req(eid, base + [ChatMessage("assistant", "one"), ChatMessage("user", "summarise <summary>")]))
+        # a sub-agent: its own conversation
+        await svc.complete(req(eid, [ChatMessage("system", "You are a sub-agent"), ChatMessage("user", "look")], tools=(),
+                               headers={"x-claude-code-agent-id": "agent-7"}))
+
+    run(go())
+    c = svc.records(eid).calls
+    assert [x.parent_id for x in c] == [None, 0, 0, None]
+    assert sorted(svc.records(eid).tree.leaves()) == [1, 2, 3]
+    assert svc.role_of(eid, 3).name == "SUB_AGENT_TASK"
+    # every recorded prompt equals what the engine got
+    for call, sent in zip(c, eng.calls):
+        assert svc.records(eid).input_ids(call) == list(sent.input_ids)
+
+
+def test_encoded_tokens_stay_proportional_to_new_content(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    msgs = [ChatMessage("system", "S"), ChatMessage("user", "go")]
+
+    async def go() -> None:
+        for i in range(30):
+            eng.script(renderer.encode(f"step {i} done<|im_end|>"))
+            a = await svc.complete(req(eid, msgs))
+            msgs.extend([ChatMessage("assistant", a.content), ChatMessage("user", f"next {i} " + "word " * 20)])
+
+    run(go())
+    calls = svc.records(eid).calls
+    assert [c.parent_id for c in calls] == [None] + list(range(29))
+    for i, c in enumerate(calls[1:]):
+        # exactly the new user turn (plus the newline after the EOS) was encoded
+        new_turn = "\n<|im_start|>user\n" + f"next {i} " + "word " * 20 + "<|im_end|>\n<|im_start|>assistant\n"
+        assert renderer.decode(c.new_input_ids) == new_turn
+        assert len(c.new_input_ids) == len(renderer.encode(new_turn))
+    assert calls[-1].input_len > 10 * len(calls[-1].new_input_ids)
+
+
+def test_credentials_isolate_executions(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer)
+    a, key_a = svc.create_execution()
+    b, key_b = svc.create_execution()
+    assert svc.authenticate(key_a) == str(a) and svc.authenticate(key_b) == str(b)
+    for bad in (None, "", "gyre-nope", key_a + "x"):
+        with pytest.raises(ProxyError) as e:
+            svc.authenticate(bad)
+        assert e.value.status == 401
+    run(svc.complete(req(a, [ChatMessage("user", "hi")])))
+    assert len(svc.records(a).calls) == 1 and len(svc.records(b).calls) == 0
+    svc.close_execution(a)
+    with pytest.raises(ProxyError) as e:
+        svc.authenticate(key_a)
+    assert e.value.status == 401
+    with pytest.raises(ProxyError):
+        run(svc.complete(req(a, [ChatMessage("user", "hi")])))
+    assert len(svc.records(a).calls) == 1  # still readable, unchanged
+
+
+@pytest.mark.parametrize("mode", ["abort", "vanish"])
+def test_abort_during_role_change_is_retried_at_the_destination(renderer: ChatRenderer, mode: str) -> None:
+    svc = ProxyService(renderer, ProxyConfig(served_models=("tiny",), retry_wait_s=5.0))
+    cell = FakeEngine("http://cell-1", delay_s=0.05)
+    standalone = FakeEngine("http://standalone")
+    cell2 = FakeEngine("http://cell-2")
+    svc.add_engine(cell, kind="cell", cell_index=1, capacity=4)
+    eid, _ = svc.create_execution()
+    svc.router.assign(eid)  # pinned to cell 1 (the only engine yet)
+    svc.add_engine(standalone, kind="standalone", capacity=1)
+    svc.add_engine(cell2, kind="cell", cell_index=2, capacity=4)
+    if mode == "abort":
+        cell.abort_next = 1
+    else:
+        cell.vanish_next = 1
+    standalone.script(renderer.encode("fine<|im_end|>"))
+
+    async def go():
+        task = asyncio.ensure_future(svc.complete(req(eid, [ChatMessage("user", "hi")])))
+        await asyncio.sleep(0.02)
+        res = svc.reroute("http://cell-1")  # the orchestrator moves the execution away
+        assert res.moved == {eid: "http://standalone"} and res.over_capacity == 0
+        return await task
+
+    out = run(go())
+    assert out.content == "fine"
+    (rec,) = svc.records(eid).calls
+    assert rec.engine == "http://standalone" and rec.attempts == 2
+    assert rec.output_ids == tuple(renderer.encode("fine<|im_end|>"))  # the partial output is gone
+    assert list(standalone.calls[0].input_ids) == list(cell.calls[0].input_ids)
+
+
+def test_reroute_order_and_capacity(renderer: ChatRenderer) -> None:
+    svc = ProxyService(renderer, ProxyConfig(served_models=("tiny",)))
+    src = FakeEngine("http://src")
+    svc.add_engine(src, kind="cell", cell_index=0, capacity=10)
+    for i in range(5):
+        svc.create_execution()
+        svc.router.assign(i)
+    svc.add_engine(FakeEngine("http://c1"), kind="cell", cell_index=1, capacity=1)
+    svc.add_engine(FakeEngine("http://c3"), kind="cell", cell_index=3, capacity=2)
+    svc.add_engine(FakeEngine("http://s"), kind="standalone", capacity=1)
+    res = svc.reroute("http://src")
+    assert res.moved == {0: "http://s", 1: "http://c3", 2: "http://c3", 3: "http://c1", 4: res.moved[4]}
+    assert res.over_capacity == 1
+    assert not svc.router.slot("http://src").accepting
+
+
+def test_constrained_output_is_never_a_target(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution(sampling={"regex": "ok"})
+    eng.script(renderer.encode("ok<|im_end|>"))
+    run(svc.complete(req(eid, [ChatMessage("user", "hi")])))
+    (rec,) = svc.records(eid).calls
+    assert rec.constrained and rec.output_provenance is Provenance.EXTERNAL
+    assert eng.calls[0].sampling_params["regex"] == "ok"
+    node = svc.records(eid).tree.node(rec.node_id)
+    assert int((node.provenance == Provenance.SAMPLED).sum()) == 0
+    assert svc.selected(eid, 4, 0) == []
+
+
+def test_sampling_comes_from_config_and_harness_may_only_lower_the_cap(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer, sampling={"temperature": 0.7}, max_new_tokens=64)
+    eid, _ = svc.create_execution()
+    run(svc.complete(req(eid, [ChatMessage("user", "a")], max_tokens=10_000)))
+    run(svc.complete(req(eid, [ChatMessage("user", "b")], max_tokens=5)))
+    assert [c.sampling_params["max_new_tokens"] for c in eng.calls] == [64, 5]
+    assert all(c.sampling_params["temperature"] == 0.7 for c in eng.calls)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [ChatMessage("tool", "x", tool_call_id="call_1")],
+        [ChatMessage("user", "a"), ChatMessage("assistant", "", None, (ToolCall("c1", "Bash", "{}"),)),
+         ChatMessage("tool", "x", tool_call_id="c2")],
+        [],
+    ],
+)
+def test_bad_requests_record_nothing(renderer: ChatRenderer, messages) -> None:
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    with pytest.raises(ProxyError) as e:
+        run(svc.complete(req(eid, messages)))
+    assert e.value.status == 400
+    with pytest.raises(ProxyError) as e:
+        run(svc.complete(ChatRequest(str(eid), "other-model", (ChatMessage("user", "x"),))))
+    assert e.value.status == 404
+    assert svc.records(eid).calls == [] and eng.calls == []
+
+
+def test_selected_rows_train_only_sampled_tokens(renderer: ChatRenderer) -> None:
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    msgs = [ChatMessage("user", "a")]
+    run(svc.complete(req(eid, msgs)))
+    (sel,) = svc.selected(eid, 4, 0)
+    row = TrajectoryRow.from_tree(svc.records(eid).tree, sel, group_id=0)
+    (rec,) = svc.records(eid).calls
+    assert row.loss_mask.sum().item() == len(rec.output_ids)
+    assert row.token_ids.tolist() == svc.records(eid).input_ids(rec) + list(rec.output_ids)
