@@ -100,6 +100,13 @@ def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
     import os
 
     assert os.path.isfile(os.path.join(ref.location, "model.safetensors"))
+    # Exporting (and reading parameters out) must not pin their storages: the cells can still
+    # leave training right after a publication, and come back bit-exact.
+    for s in sides:
+        s.leave_training()
+        s.enter_training()
+    after = s0.world.call([0], "params_numpy")[0]
+    assert all(np.array_equal(after[k], params[0][k]) for k in after)
 
 
 def test_dead_satellite_fails_step_cleanly_and_survivors_finish_batch(sides) -> None:

@@ -179,7 +179,9 @@ class CellRank(RankChecks):
 
         per_stage = self.opts.spec.num_layers // self.opts.pp
         state = {n: p.data for n, p in self.ddp.module.named_parameters()}
-        return {k: v.numpy().copy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+        # Clone before .numpy(): numpy on a view of a parameter marks the parameter's storage
+        # non-resizable for good, and leave_training could no longer release it in place.
+        return {k: v.detach().clone().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
 
     # ------------------------------------------------------------------ §4 enter / leave
     def _state_tensors(self) -> list[torch.Tensor]:

@@ -82,6 +82,11 @@ class SGLangServer:
         ]
         if not _cuda_available():
             cmd += ["--device", "cpu"]
+        if "--custom-weight-loader" not in self.extra_args:
+            # Gyre's Mooncake weight publication (gyre_sglang.weight_publication) loads through it.
+            from gyre_sglang.weight_publication import LOADER
+
+            cmd += ["--custom-weight-loader", LOADER]
         return cmd + list(self.extra_args)
 
     def _environment(self) -> dict[str, str]:

@@ -1,0 +1,404 @@
+"""Weight publication over the Mooncake Transfer Engine: the core exposes, each engine pulls.
+
+Why a pull: after a burst the core publishes one policy version and every rollout engine must load
+it, at its own pace (an engine may still be finishing a request). A one-sided read needs nothing
+from the core but its buffer staying registered, so the core never waits for the slowest engine,
+and K engines can pull the same bytes without a collective they would all have to join.
+
+Layout of one published version (one contiguous, registered host buffer)::
+
+    [tensor 0 | pad | tensor 1 | pad | ... | manifest JSON]
+
+Each tensor starts on a 64-byte boundary; the manifest lists name, dtype, shape, offset and byte
+count of every tensor. The :class:`~gyre_core.interfaces.WeightsRef` ``location`` is a small JSON
+object (format tag, Mooncake session ``host:port``, buffer address and size, where the manifest is,
+a CRC32 of the whole buffer), so it travels through the core's events unchanged.
+
+The engine side (:class:`WeightPuller`, used by the SGLang custom weight loader in
+:mod:`gyre_sglang.server_plugin.weight_loading`) reads the whole buffer into a registered staging
+buffer of its own and refuses it unless the CRC32 and the manifest check out, *before* any
+parameter is touched: a torn, partial or failed pull leaves the engine on its previous version.
+
+:func:`load_published` is what the orchestrator calls: it drives SGLang's own update path
+(``/begin_weight_update``, ``/update_weights_from_tensor`` with ``load_format`` naming Gyre's
+custom loader, ``/end_weight_update``) so SGLang records the new ``weight_version`` and flushes
+its cache only when the load succeeded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import torch
+
+from gyre_core.interfaces import EngineError, WeightsRef
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gyre_sglang.client import SGLangClient
+
+__all__ = [
+    "FORMAT",
+    "LOADER",
+    "REF_TENSOR_NAME",
+    "ManifestEntry",
+    "PublicationError",
+    "PulledWeights",
+    "WeightPublisher",
+    "WeightPuller",
+    "load_published",
+    "parse_location",
+]
+
+FORMAT = "gyre.mooncake.v1"
+"""Format tag of a location produced by :class:`WeightPublisher`."""
+
+LOADER = "gyre_sglang.server_plugin.weight_loading.load_published_weights"
+"""Dotted path of Gyre's custom weight loader; the SGLang server must be started with
+``--custom-weight-loader`` naming it (SGLang only dispatches to listed loaders)."""
+
+REF_TENSOR_NAME = "gyre.weights_ref"
+"""Name of the one tensor carried by ``/update_weights_from_tensor``: the location's UTF-8 bytes."""
+
+ALIGN = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64,
+        torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}
+
+
+class PublicationError(RuntimeError):
+    """A publication could not be made, pulled or verified (the engine keeps its old weights)."""
+
+
+def _mooncake_host(host: str | None) -> str:
+    """The address this process's Mooncake engine advertises (loopback unless configured)."""
+    return host or os.environ.get("GYRE_MOONCAKE_HOST") or os.environ.get("MC_TCP_BIND_ADDRESS") or "127.0.0.1"
+
+
+def _new_engine(host: str) -> Any:
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise PublicationError(f"Mooncake TransferEngine.initialize({host!r}) failed ({rc})")
+    return engine
+
+
+def _crc32(buf: torch.Tensor, nbytes: int) -> int:
+    return zlib.crc32(memoryview(buf[:nbytes].numpy()))
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise PublicationError(f"{self.name}: unsupported dtype {self.dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed ``WeightsRef.location`` (see the module docstring)."""
+
+    version: int
+    session: str
+    addr: int
+    nbytes: int
+    manifest_offset: int
+    manifest_nbytes: int
+    crc32: int
+    partial: bool
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": FORMAT, "version": self.version, "session": self.session, "addr": self.addr,
+            "nbytes": self.nbytes, "manifest_offset": self.manifest_offset,
+            "manifest_nbytes": self.manifest_nbytes, "crc32": self.crc32, "partial": self.partial,
+        }, separators=(",", ":"))
+
+
+def parse_location(location: str) -> Location:
+    """Parse and sanity-check a location string; :class:`PublicationError` if it is not Gyre's."""
+    try:
+        d = json.loads(location)
+        if d.get("format") != FORMAT:
+            raise PublicationError(f"not a {FORMAT} location (format={d.get('format')!r})")
+        loc = Location(int(d["version"]), str(d["session"]), int(d["addr"]), int(d["nbytes"]),
+                       int(d["manifest_offset"]), int(d["manifest_nbytes"]), int(d["crc32"]),
+                       bool(d.get("partial", False)))
+    except PublicationError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PublicationError(f"malformed weights location: {e}: {location[:200]!r}") from e
+    if loc.nbytes <= 0 or loc.manifest_nbytes <= 0 or loc.manifest_offset + loc.manifest_nbytes != loc.nbytes:
+        raise PublicationError(f"inconsistent weights location: {location[:200]!r}")
+    return loc
+
+
+@dataclass
+class _Published:
+    buffer: torch.Tensor
+    location: Location
+
+
+class WeightPublisher:
+    """Core side: one Mooncake engine; each :meth:`publish` fills a new registered buffer.
+
+    A version's buffer stays registered (and readable by engines) until :meth:`release` is called
+    for it, so an engine still pulling version v is never torn by the publication of v+1. The
+    caller releases a version once every engine reports a newer one.
+    """
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = _mooncake_host(host)
+        self._engine: Any = None
+        self._published: dict[int, _Published] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            self._engine = _new_engine(self.host)
+        return self._engine
+
+    @property
+    def session(self) -> str:
+        return f"{self.host}:{self.engine.get_rpc_port()}"
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._published)
+
+    def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor], *, partial: bool = False) -> WeightsRef:
+        """Copy ``named_tensors`` (serving-layout names, e.g. HF) into one registered buffer.
+
+        ``partial=True`` announces a subset of the model's tensors; otherwise the engine refuses
+        a publication that lacks any tensor of its checkpoint.
+        """
+        if not named_tensors:
+            raise PublicationError("nothing to publish")
+        with self._lock:
+            if version in self._published:
+                raise PublicationError(f"version {version} is already published; release it first")
+            entries: list[ManifestEntry] = []
+            off = 0
+            for name, t in named_tensors.items():
+                dt = str(t.dtype).removeprefix("torch.")
+                if dt not in _DTYPES:
+                    raise PublicationError(f"{name}: unsupported dtype {t.dtype}")
+                n = t.numel() * t.element_size()
+                entries.append(ManifestEntry(name, dt, tuple(int(s) for s in t.shape), off, n))
+                off += (n + ALIGN - 1) // ALIGN * ALIGN
+            manifest = json.dumps({"version": version, "tensors": [
+                {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes}
+                for e in entries
+            ]}, separators=(",", ":")).encode()
+            total = off + len(manifest)
+            buf = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            for e, t in zip(entries, named_tensors.values()):
+                if e.nbytes:
+                    buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape).copy_(t.detach())
+            buf[off:].copy_(torch.frombuffer(bytearray(manifest), dtype=torch.uint8))
+            addr = buf.data_ptr()
+            if self.engine.register_memory(addr, total) != 0:
+                raise PublicationError(f"Mooncake register_memory failed ({total} bytes)")
+            loc = Location(version, self.session, addr, total, off, len(manifest), _crc32(buf, total), partial)
+            self._published[version] = _Published(buf, loc)
+            return WeightsRef(version=version, location=loc.to_json())
+
+    def buffer(self, version: int) -> torch.Tensor:
+        """The registered bytes of ``version`` (inspection and fault injection)."""
+        return self._published[version].buffer
+
+    def release(self, version: int) -> None:
+        """Stop exposing ``version`` (engines that have not pulled it yet will fail cleanly)."""
+        with self._lock:
+            p = self._published.pop(version, None)
+            if p is not None and self._engine is not None:
+                self._engine.unregister_memory(p.location.addr)
+
+    def release_older_than(self, version: int) -> None:
+        for v in [v for v in self._published if v < version]:
+            self.release(v)
+
+    def close(self) -> None:
+        """Release every version and drop the engine."""
+        for v in list(self._published):
+            self.release(v)
+        self._engine = None
+
+    def __enter__(self) -> "WeightPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class PulledWeights:
+    """A verified pull: the manifest plus zero-copy views into the puller's staging buffer.
+
+    The views are valid until the same puller's next :meth:`WeightPuller.pull`.
+    """
+
+    version: int
+    entries: list[ManifestEntry]
+    partial: bool
+    staging: torch.Tensor
+    pull_s: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.staging.numel())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for e in self.entries:
+            yield e.name, self.staging[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape)
+
+
+def _parse_manifest(raw: bytes, loc: Location) -> list[ManifestEntry]:
+    try:
+        m = json.loads(raw.decode())
+        entries = [ManifestEntry(str(t["name"]), str(t["dtype"]), tuple(int(s) for s in t["shape"]),
+                                 int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]]
+        version = int(m["version"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise PublicationError(f"malformed manifest: {e}") from e
+    if version != loc.version:
+        raise PublicationError(f"manifest is for version {version}, location says {loc.version}")
+    seen: set[str] = set()
+    for e in entries:
+        numel = 1
+        for s in e.shape:
+            numel *= s
+        if e.name in seen:
+            raise PublicationError(f"tensor {e.name!r} appears twice in the manifest")
+        seen.add(e.name)
+        esize = torch.empty((), dtype=e.torch_dtype).element_size()
+        if e.nbytes != numel * esize or e.offset < 0 or e.offset + e.nbytes > loc.manifest_offset or e.offset % ALIGN:
+            raise PublicationError(f"{e.name}: manifest entry out of bounds or inconsistent: {e}")
+    return entries
+
+
+class WeightPuller:
+    """Engine side: one Mooncake engine and one registered staging buffer, reused across pulls."""
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = _mooncake_host(host)
+        self._engine: Any = None
+        self._staging: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            self._engine = _new_engine(self.host)
+        return self._engine
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging is not None:
+                self.engine.unregister_memory(self._staging.data_ptr())
+                self._staging = None
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            if self.engine.register_memory(buf.data_ptr(), nbytes) != 0:
+                raise PublicationError(f"Mooncake register_memory failed for the staging buffer ({nbytes} bytes)")
+            self._staging = buf
+        return self._staging
+
+    def pull(self, location: str) -> PulledWeights:
+        """Read a published version and verify it (CRC32, manifest); raise on any mismatch."""
+        loc = parse_location(location)
+        with self._lock:
+            staging = self._staging_for(loc.nbytes)
+            t0 = time.perf_counter()
+            rc = self.engine.transfer_sync_read(loc.session, staging.data_ptr(), loc.addr, loc.nbytes)
+            pull_s = time.perf_counter() - t0
+            if rc != 0:
+                raise PublicationError(
+                    f"Mooncake read of version {loc.version} from {loc.session} failed (rc={rc}): "
+                    "the publisher is gone or no longer exposes this version")
+            got = _crc32(staging, loc.nbytes)
+            if got != loc.crc32:
+                raise PublicationError(
+                    f"version {loc.version}: CRC32 mismatch after the pull ({got:#010x} != {loc.crc32:#010x}); "
+                    "torn or corrupted read")
+            raw = staging[loc.manifest_offset:loc.nbytes].numpy().tobytes()
+            entries = _parse_manifest(raw, loc)
+            return PulledWeights(loc.version, entries, loc.partial, staging[:loc.nbytes], pull_s)
+
+    def close(self) -> None:
+        if self._staging is not None and self._engine is not None:
+            self._engine.unregister_memory(self._staging.data_ptr())
+        self._staging = None
+        self._engine = None
+
+
+def ref_payload(ref: WeightsRef) -> str:
+    """The base64 ``serialized_named_tensors`` entry carrying ``ref.location`` to the loader.
+
+    Plain pickle of one CPU uint8 tensor (bytes inline): SGLang's safe unpickler accepts it, and
+    unlike its default ForkingPickler payload it holds no shared-memory handle, so it works from
+    another process or host.
+    """
+    t = torch.frombuffer(bytearray(ref.location.encode()), dtype=torch.uint8)
+    return base64.b64encode(pickle.dumps([(REF_TENSOR_NAME, t)])).decode()
+
+
+async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache: bool = True,
+                         timeout: float | None = None) -> str:
+    """Make the engine behind ``client`` pull and load ``ref``; return its new ``weight_version``.
+
+    Runs inside SGLang's begin/end weight-update session (0.5.23 requires it for tensor updates)
+    and always closes the session. On failure raises :class:`~gyre_core.interfaces.EngineError`
+    with the engine's message; the engine keeps its previous weights and version. Pause or drain
+    generation first when ``flush_cache`` is set: SGLang refuses to flush with requests running.
+    """
+    info = await client.server_info()
+    tp = int(info.get("tp_size", 1) or 1)
+    body = {
+        "serialized_named_tensors": [ref_payload(ref)] * tp,
+        "load_format": LOADER,
+        "flush_cache": flush_cache,
+        "weight_version": str(ref.version),
+    }
+    await client.begin_weight_update()
+    try:
+        ans = await client.post("/update_weights_from_tensor", body, timeout=timeout)
+        if not isinstance(ans, Mapping) or not ans.get("success", False):
+            raise EngineError("/update_weights_from_tensor", 200, str(ans))
+    except BaseException:
+        try:  # close the session, but report the update's own failure, not this one's
+            await client.end_weight_update()
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    await client.end_weight_update()
+    version = await client.weight_version()
+    if version != str(ref.version):
+        raise EngineError("/model_info", 200, f"engine reports weight_version {version!r} after loading {ref.version}")
+    return version

@@ -1,0 +1,241 @@
+"""Weight publication: a Mooncake-published buffer pulled and loaded by a real SGLang CPU server.
+
+One server of this module's own (its weights change), started with Gyre's custom weight loader.
+The publisher runs in the test process or in a child process; the engine pulls over loopback TCP.
+"New weights took effect" is checked exactly: SGLang's ``/weights_checker`` hashes every live
+parameter (SHA-256 of its bytes), and the test computes the same hashes from the published
+tensors laid out the way SGLang fuses them (qkv_proj, gate_up_proj). "Old weights intact" is the
+same hash dict, unchanged, plus the same greedy log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("mooncake.engine")
+
+from gyre_core.interfaces import EngineError, WeightsRef  # noqa: E402
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+PROMPT = [5, 17, 42, 99, 3]
+SERVING_DTYPE = torch.float16
+"""The server's ``--dtype``; the checkpoint is float32, so a float32 publication is cast on load."""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from conftest import start_sglang_server
+    from gyre_sglang.weight_publication import LOADER
+
+    s = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("wp-logs"), "weight-publication",
+                            extra_args=["--custom-weight-loader", LOADER, "--dtype", "float16"])
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(tiny_model_dir / "model.safetensors"))
+
+
+@pytest.fixture
+def publisher() -> Iterator[Any]:
+    from gyre_sglang.weight_publication import WeightPublisher
+
+    with WeightPublisher("127.0.0.1") as p:
+        yield p
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _call(url: str, fn: str, *args: Any, **kw: Any) -> Any:
+    from gyre_sglang.client import SGLangClient
+
+    async with SGLangClient(url) as c:
+        if fn == "load":
+            from gyre_sglang.weight_publication import load_published
+
+            return await load_published(c, *args, **kw)
+        if fn == "checksums":
+            ans = await c.post("/weights_checker", {"action": "checksum"})
+            (rank,) = ans["ranks"]
+            return dict(rank["checksums"])
+        if fn == "generate":
+            r = await c.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
+            return r.output_ids, r.logprobs, r.weight_version
+        if fn == "version":
+            return await c.weight_version()
+        raise AssertionError(fn)
+
+
+def load(server: Any, ref: WeightsRef) -> str:
+    return run(_call(server.url, "load", ref))
+
+
+def state(server: Any) -> tuple[dict[str, str], Any, str]:
+    """Everything that must not move when an update fails: hashes, greedy output, version."""
+    return (run(_call(server.url, "checksums")), run(_call(server.url, "generate")),
+            run(_call(server.url, "version")))
+
+
+def _hash(t: Any) -> str:
+    """SGLang's ``/weights_checker`` hash of a parameter holding ``t`` (cast to the serving dtype)."""
+    data = t.detach().cpu().to(SERVING_DTYPE).contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{int.from_bytes(hashlib.sha256(memoryview(data)).digest()[:8], 'big'):016x}"
+
+
+def expected_checksums(hf: dict[str, Any]) -> dict[str, str]:
+    """SGLang's parameter hashes for HF-named tensors (tp=1: q|k|v and gate|up concatenated)."""
+    out: dict[str, str] = {}
+    for name, t in hf.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            parts = [hf[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = _hash(torch.cat(parts))
+        elif ".gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = _hash(torch.cat([t, hf[name.replace("gate_proj", "up_proj")]]))
+        else:
+            out[name] = _hash(t)
+    return out
+
+
+def perturbed(base: dict[str, Any], seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in base.items()}
+
+
+def test_published_weights_take_effect_and_version_is_reported(server: Any, base_weights: dict, publisher: Any) -> None:
+    assert run(_call(server.url, "checksums")) == expected_checksums(base_weights)
+
+    new = perturbed(base_weights, seed=1)
+    ref = publisher.publish(1, new)
+    assert load(server, ref) == "1"
+    # Every live parameter now holds exactly the published bytes.
+    assert run(_call(server.url, "checksums")) == expected_checksums(new)
+    _, _, version = run(_call(server.url, "generate"))
+    assert version == "1"
+
+    # A zero lm_head makes every token exactly uniform: log-prob -ln(vocab) for all of them.
+    zero = dict(new, **{"lm_head.weight": torch.zeros_like(new["lm_head.weight"])})
+    assert load(server, publisher.publish(2, zero)) == "2"
+    _, logprobs, version = run(_call(server.url, "generate"))
+    vocab = zero["lm_head.weight"].shape[0]
+    assert version == "2"
+    assert all(abs(lp + math.log(vocab)) < 1e-6 for lp in logprobs), logprobs
+    publisher.release_older_than(2)
+    assert publisher.versions == [2]
+
+
+def test_partial_publication_changes_only_its_tensors(server: Any, base_weights: dict, publisher: Any) -> None:
+    before = run(_call(server.url, "checksums"))
+    head = {"lm_head.weight": base_weights["lm_head.weight"] * 2}
+    ref = publisher.publish(3, head, partial=True)
+    assert load(server, ref) == "3"
+    after = run(_call(server.url, "checksums"))
+    assert after["lm_head.weight"] == _hash(head["lm_head.weight"])
+    assert {k: v for k, v in after.items() if k != "lm_head.weight"} == \
+        {k: v for k, v in before.items() if k != "lm_head.weight"}
+
+
+@pytest.mark.parametrize("fault", ["wrong_name", "wrong_shape", "wrong_dtype", "missing_tensor"])
+def test_wrong_layout_is_refused_and_engine_untouched(server: Any, base_weights: dict, publisher: Any, fault: str) -> None:
+    before = state(server)
+    bad = perturbed(base_weights, seed=2)
+    if fault == "wrong_name":
+        bad["model.layers.0.mlp.up_proj.weight_renamed"] = bad.pop("model.layers.0.mlp.up_proj.weight")
+        expect = "unknown tensor 'model.layers.0.mlp.up_proj.weight_renamed'"
+    elif fault == "wrong_shape":
+        bad["model.layers.1.self_attn.o_proj.weight"] = bad["model.layers.1.self_attn.o_proj.weight"][:, :-1].clone()
+        expect = "model.layers.1.self_attn.o_proj.weight: shape"
+    elif fault == "wrong_dtype":
+        bad["model.norm.weight"] = bad["model.norm.weight"].to(torch.bfloat16)
+        expect = "model.norm.weight: dtype bfloat16"
+    else:
+        del bad["model.embed_tokens.weight"]
+        expect = "1 tensors missing"
+    with pytest.raises(EngineError) as err:
+        load(server, publisher.publish(10, bad))
+    assert expect in str(err.value) and "unchanged" in str(err.value)
+    assert state(server) == before
+
+
+def test_torn_pull_is_refused(server: Any, base_weights: dict, publisher: Any) -> None:
+    before = state(server)
+    ref = publisher.publish(11, perturbed(base_weights, seed=3))
+    publisher.buffer(11)[1000] ^= 0x5A  # the publisher's bytes change under the reader
+    with pytest.raises(EngineError, match="CRC32 mismatch"):
+        load(server, ref)
+    assert state(server) == before
+
+
+def test_released_publication_is_refused(server: Any, base_weights: dict, publisher: Any) -> None:
+    before = state(server)
+    ref = publisher.publish(12, perturbed(base_weights, seed=4))
+    publisher.close()
+    with pytest.raises(EngineError, match="Mooncake read of version 12 .* failed"):
+        load(server, ref)
+    assert state(server) == before
+
+
+PUBLISHER_CHILD = textwrap.dedent("""
+    import sys
+    from safetensors.torch import load_file
+    from gyre_sglang.weight_publication import WeightPublisher
+    w = load_file(sys.argv[1])
+    p = WeightPublisher("127.0.0.1")
+    ref = p.publish(int(sys.argv[2]), {k: v * float(sys.argv[3]) for k, v in w.items()})
+    print(ref.location, flush=True)
+    sys.stdin.read()  # stay alive (and exposed) until the parent closes stdin or kills us
+""")
+
+
+def _child_publisher(model_dir: Path, version: int, scale: float) -> tuple[subprocess.Popen[str], WeightsRef]:
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_LOG_LEVEL="ERROR")
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER_CHILD, str(model_dir / "model.safetensors"),
+                             str(version), str(scale)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line.startswith("{"), f"publisher child failed (rc={proc.poll()})"
+    return proc, WeightsRef(version, line)
+
+
+def test_publisher_in_another_process_then_killed(server: Any, base_weights: dict, tiny_model_dir: Path) -> None:
+    # A live publisher process: the engine pulls from it.
+    proc, ref = _child_publisher(tiny_model_dir, 20, 0.5)
+    try:
+        assert load(server, ref) == "20"
+        assert run(_call(server.url, "checksums")) == expected_checksums({k: v * 0.5 for k, v in base_weights.items()})
+    finally:
+        proc.kill()
+        proc.wait()
+    before = state(server)
+    # A publisher killed before the engine pulls: a clean error, previous version kept.
+    proc, ref = _child_publisher(tiny_model_dir, 21, 0.25)
+    proc.kill()
+    proc.wait()
+    with pytest.raises(EngineError, match="Mooncake read of version 21 .* failed"):
+        load(server, ref)
+    assert state(server) == before
+    assert before[2] == "20"
