@@ -226,6 +226,8 @@ def test_every_hookspec_is_documented_and_marked() -> None:
         "gyre_make_training_side",
         "gyre_make_serving_side",
         "gyre_launch_harness",
+        "gyre_start_engine",
+        "gyre_make_engine_client",
         "gyre_evaluate",
         "gyre_classify_role",
         "gyre_on_event",

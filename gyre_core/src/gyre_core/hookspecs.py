@@ -26,6 +26,8 @@ import pluggy
 if TYPE_CHECKING:
     from gyre_core.interfaces import (
         Assessment,
+        EngineClient,
+        EngineProcess,
         ExecutionSpec,
         HarnessHandle,
         RoleClass,
@@ -84,6 +86,27 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> ServingSi
 
     Return an object implementing :class:`gyre_core.interfaces.ServingSide`, or ``None`` if this
     plugin does not provide serving (or not with these options).
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> EngineProcess | None:
+    """Start a rollout engine process serving ``model_dir``. firstresult.
+
+    Used when Gyre itself brings up the engines (the embedded default, tests); on a cluster the
+    user's own launcher usually starts them and passes their URLs. ``options`` may carry
+    ``max_total_tokens``, ``extra_args`` (passed to the engine unchanged), ``log_path`` and
+    ``start_timeout_s``. Return a started :class:`gyre_core.interfaces.EngineProcess`, or ``None``
+    if this plugin does not start engines.
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> EngineClient | None:
+    """A token-in/token-out client for the engine at ``url``, used by the TITO proxy. firstresult.
+
+    Return a :class:`gyre_core.interfaces.EngineClient`, or ``None`` if this plugin does not speak
+    to that kind of engine.
     """
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "Assessment",
     "EngineClient",
     "EngineError",
+    "EngineProcess",
     "EngineUnreachable",
     "ExecutionSpec",
     "GenerateResult",
@@ -348,3 +349,19 @@ class EngineClient(Protocol):
     ) -> GenerateResult: ...
 
     async def abort_request(self, rid: str) -> None: ...
+
+
+@runtime_checkable
+class EngineProcess(Protocol):
+    """A rollout engine process Gyre started (``gyre_start_engine``): where it listens, and how
+    to stop it (only it: its own process group)."""
+
+    url: str
+
+    def stop(self) -> None:
+        """Stop the engine and every process it spawned; idempotent."""
+        ...
+
+    def kill(self) -> None:
+        """Kill it at once (fault injection, or a failed start)."""
+        ...

@@ -35,3 +35,24 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> Any:
     kwargs = {k: options[k] for k in ("on_phase", "weight_loader", "memory_tags", "drain_timeout", "clock")
               if k in options}
     return SGLangServingSide(str(url), cell=engine, **kwargs)
+
+
+@hookimpl
+def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
+    """Start a real SGLang server (CPU engine and Gyre's CPU patch where CUDA is absent)."""
+    from gyre_sglang.server import SGLangServer
+
+    server = SGLangServer(
+        model_dir,
+        max_total_tokens=int(options.get("max_total_tokens", 16384)),
+        extra_args=list(options.get("extra_args", [])),
+        log_path=options.get("log_path"),
+    )
+    return server.start(timeout=float(options.get("start_timeout_s", 300.0)))
+
+
+@hookimpl
+def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> Any:
+    from gyre_sglang.client import SGLangClient
+
+    return SGLangClient(url, **{k: options[k] for k in ("timeout", "generate_timeout") if k in options})

@@ -1,0 +1,219 @@
+"""Assemble a live run from its configuration: model, cells, engines, proxy, and run it.
+
+With the defaults this is the *embedded* job of ``gyre-orchestrate run``: a tiny Qwen2 policy
+(Megatron initialises it; its export is what the SGLang engines serve, so training and serving
+start from the same weights), a core and one satellite cell, each a Megatron rank plus a real
+SGLang server, the TITO proxy in this process, and the built-in ``number-guess`` task whose
+harness talks to the proxy over HTTP with the official OpenAI SDK.
+
+Everything Gyre starts it stops again, by pid (engines, ranks, harnesses), also on errors and
+Ctrl-C. Outputs in ``run.out_dir``: ``summary.json``, ``events.jsonl``, ``role_timeline.svg``,
+``checkpoint/model.safetensors`` (the last published policy), per-execution workspaces and logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gyre_core.interfaces import WeightsRef
+from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator
+from gyre_core.orchestrator.run_config import RunConfig
+
+__all__ = ["run_live"]
+
+log = logging.getLogger("gyre.orchestrator")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")
+
+
+def _plugin_manager() -> Any:
+    from gyre_core.orchestrator import harness
+    from gyre_core.plugins import plugin_manager
+    from gyre_core.proxy.classify import DEFAULT_CLASSIFIER
+    from gyre_core.tasks import number_guess
+
+    pm = plugin_manager()
+    for mod, name in ((harness, "gyre-core.harness"), (number_guess, "gyre-core.number-guess"),
+                      (DEFAULT_CLASSIFIER, "gyre-core.claude-code-roles")):
+        if pm.get_plugin(name) is None:
+            pm.register(mod, name=name)
+    return pm
+
+
+def _prepare_tokenizer(cfg: RunConfig, out: Path) -> Path:
+    """The tokenizer (and chat template) directory: the configured model's, or a tiny one."""
+    if cfg.model.dir:
+        return Path(cfg.model.dir)
+    from gyre_core.tiny_model import build_tiny_model
+
+    src = out / "tokenizer-src"
+    if not (src / "tokenizer.json").exists():
+        build_tiny_model(src, vocab_size=cfg.model.vocab_size, hidden_size=cfg.model.hidden_size,
+                         num_layers=cfg.model.num_layers, max_position_embeddings=cfg.model.max_seq_len,
+                         seed=cfg.run.seed)
+    return src
+
+
+def _serving_dir(v0: WeightsRef, tokenizer_dir: Path) -> Path:
+    """Make the published version-0 checkpoint a complete model directory an engine can start on."""
+    d = Path(v0.location)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy2(tokenizer_dir / name, d / name)
+    cfg = json.loads((d / "config.json").read_text())
+    gen = json.loads((tokenizer_dir / "generation_config.json").read_text()) if (tokenizer_dir / "generation_config.json").exists() else {}
+    tok_cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    eos = gen.get("eos_token_id")
+    cfg["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+    cfg.setdefault("pad_token_id", gen.get("pad_token_id"))
+    cfg["max_position_embeddings"] = max(int(cfg.get("max_position_embeddings", 0)),
+                                         int(tok_cfg.get("model_max_length", 0) or 0))
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
+async def _serve_proxy(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[Any], int]:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.05)
+    sockets = [s for srv in server.servers for s in srv.sockets]
+    return server, task, int(sockets[0].getsockname()[1])
+
+
+def run_live(cfg: RunConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run ``cfg`` to its end and return the summary (also written to ``summary.json``)."""
+    say = progress or (lambda m: print(f"[gyre {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pm = _plugin_manager()
+    engines: list[Any] = []
+    t0 = time.monotonic()
+    try:
+        return asyncio.run(_run(cfg, out, pm, engines, say, t0))
+    finally:
+        for e in engines:
+            with contextlib.suppress(Exception):
+                e.stop()
+        with contextlib.suppress(ImportError):
+            from gyre_megatron.side import shutdown_worlds
+
+            shutdown_worlds()
+
+
+async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Callable[[str], None], t0: float) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from gyre_core.proxy.app import build_app, default_faces
+    from gyre_core.proxy.render import ChatRenderer
+    from gyre_core.proxy.service import ProxyConfig, ProxyService
+
+    k = cfg.scheduler.cells
+    tok_dir = _prepare_tokenizer(cfg, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+
+    say(f"starting {k} Megatron cell(s)")
+    spec = {"num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size,
+            "ffn_hidden_size": 2 * cfg.model.hidden_size, "num_attention_heads": 4, "num_query_groups": 2,
+            "vocab_size": len(tokenizer), "max_seq_len": cfg.model.max_seq_len, "seed": cfg.run.seed + 1234}
+    train_opts = {"cells": k, "pp": cfg.training.pp, "model": spec, "lr": cfg.training.lr,
+                  "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
+                  "max_steps": cfg.run.steps + 4, "publish_dir": str(out / "weights"),
+                  "step_timeout_s": cfg.training.step_timeout_s}
+    training = [await asyncio.to_thread(pm.hook.gyre_make_training_side, cell=i, options=train_opts) for i in range(k)]
+    if any(t is None for t in training):
+        raise RuntimeError("no training backend: install gyre-megatron (and megatron-core)")
+    v0 = await asyncio.to_thread(training[0].publish_weights, 0)
+    model_dir = _serving_dir(v0, tok_dir)
+
+    say(f"starting {k} SGLang engine(s) on {model_dir}")
+    opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
+            "start_timeout_s": cfg.serving.start_timeout_s}
+
+    async def start(i: int) -> Any:
+        e = await asyncio.to_thread(pm.hook.gyre_start_engine, model_dir=str(model_dir),
+                                    options={**opts, "log_path": str(out / f"engine{i}.log")})
+        if e is None:
+            raise RuntimeError("no serving backend: install gyre-sglang (and SGLang)")
+        engines.append(e)
+        return e
+
+    started = await asyncio.gather(*(start(i) for i in range(k)))
+    say(f"engines ready after {time.monotonic() - t0:.0f} s")
+
+    service = ProxyService(ChatRenderer(tokenizer), ProxyConfig(
+        served_models=(cfg.model.name,),
+        sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p},
+        max_new_tokens=cfg.sampling.max_new_tokens,
+    ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
+    cells = []
+    for i, e in enumerate(started):
+        service.add_engine(pm.hook.gyre_make_engine_client(url=e.url, options={}), kind="cell", cell_index=i,
+                           capacity=cfg.scheduler.cell_capacity)
+        serving = pm.hook.gyre_make_serving_side(engine=i, options={"url": e.url})
+        cells.append(CellHandles(i, serving, training[i], e.url))
+    import secrets
+
+    app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
+    server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
+    proxy_url = f"http://{cfg.proxy.host}:{port}"
+    say(f"proxy on {proxy_url}; running {cfg.run.steps} step(s) in {cfg.scheduler.mode.value} mode")
+    try:
+        with open(out / "events.jsonl", "w") as event_log:
+            orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
+                                    weights=WeightsRef(0, str(model_dir)), progress=say, event_log=event_log)
+            try:
+                summary = await orch.run()
+            finally:
+                await orch.shutdown()
+                summary_at_stop = orch.summary()
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serve_task, 10)
+        for slot in service.router.engines():
+            with contextlib.suppress(Exception):
+                await slot.client.close()
+    summary["executions"] = summary_at_stop["executions"]
+    summary["wall_s"] = round(time.monotonic() - t0, 2)
+    _write_outputs(out, orch, summary, cfg)
+    return summary
+
+
+def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:
+    from gyre_core.simulator.timeline import write_role_timeline_svg
+
+    end = max((i[3] for i in orch.role_intervals), default=0.0)
+    intervals = [(c, r, a, b) for c, r, a, b in orch.role_intervals]
+    try:
+        write_role_timeline_svg(out / "role_timeline.svg", intervals, len(orch.cells), end,
+                                f"Gyre live run ({cfg.scheduler.mode.value}), {summary['steps']} steps")
+        summary["timeline"] = str(out / "role_timeline.svg")
+    except Exception as e:  # a picture must not cost the run's results
+        log.warning("role timeline not written: %s", e)
+    ckpt = out / "checkpoint"
+    ckpt.mkdir(exist_ok=True)
+    src = Path(orch.weights.location) / "model.safetensors"
+    if src.exists():
+        shutil.copy2(src, ckpt / "model.safetensors")
+        shutil.copy2(Path(orch.weights.location) / "config.json", ckpt / "config.json")
+        summary["checkpoint"] = str(ckpt / "model.safetensors")
+    summary["policy_version"] = orch.weights.version
+    summary["event_log"] = str(out / "events.jsonl")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,120 @@
+"""Harness processes: one per execution, isolated, with its own credential.
+
+Each harness runs in its execution's working directory with a private ``HOME``, in its own
+process group (so a timeout kills the harness *and* whatever it spawned, and nothing else), and
+learns about Gyre only through environment variables: the proxy's base URL and the execution's
+own API key, under both the OpenAI and the Anthropic names. Built-in launchers:
+
+- ``number-guess``: the built-in task's agent loop (:mod:`gyre_core.tasks.number_guess_harness`);
+- ``command``: any program, ``extra["command"]`` as an argument list (``{task}``, ``{workdir}``
+  are substituted);
+- ``claude-code``: the real Claude Code CLI in print mode, with the offline settings of
+  ``notes/claude-code-harness.md`` (``extra["claude_bin"]`` names the executable).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from gyre_core.hookspecs import hookimpl
+from gyre_core.interfaces import ExecutionSpec
+
+__all__ = ["SubprocessHarness", "harness_env", "launch_command"]
+
+
+class SubprocessHarness:
+    """A :class:`~gyre_core.interfaces.HarnessHandle` over a process group."""
+
+    def __init__(self, argv: Sequence[str], cwd: str, env: dict[str, str], log_path: str | None = None) -> None:
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self, grace: float = 3.0) -> None:
+        if self.proc.poll() is not None:
+            self._reap_group()
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._reap_group()
+
+    def _reap_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # children the harness left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def harness_env(spec: ExecutionSpec, home: Path) -> dict[str, str]:
+    """The environment of a harness: a minimal inherited base plus the execution's credentials."""
+    keep = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "SSL_CERT_FILE")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    base = spec.proxy_base_url.rstrip("/")
+    env.update({
+        "HOME": str(home),
+        "OPENAI_BASE_URL": base + "/v1",
+        "OPENAI_API_KEY": spec.api_key,
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_API_KEY": spec.api_key,
+        "GYRE_EXECUTION_ID": str(spec.execution_id),
+        "GYRE_MODEL": str(spec.extra.get("model", "gyre-policy")),
+    })
+    env.update({str(k): str(v) for k, v in dict(spec.extra.get("env", {})).items()})
+    return env
+
+
+def launch_command(spec: ExecutionSpec) -> list[str] | None:
+    """The argument list that runs ``spec.harness``, or ``None`` if it is not a built-in one."""
+    x = spec.extra
+    if spec.harness == "number-guess":
+        return [sys.executable, "-m", "gyre_core.tasks.number_guess_harness", "--secret", str(x["secret"]),
+                "--low", str(x.get("low", 0)), "--high", str(x.get("high", 99)), "--turns", str(x.get("turns", 3))]
+    if spec.harness == "command":
+        cmd = x.get("command")
+        if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(c, str) for c in cmd):
+            raise ValueError("harness 'command' needs extra['command'] as a non-empty list of strings")
+        return [c.format(task=spec.task, workdir=spec.workdir) for c in cmd]
+    if spec.harness == "claude-code":
+        return [str(x.get("claude_bin", "claude")), "-p", spec.task, "--dangerously-skip-permissions",
+                "--output-format", "json"]
+    return None
+
+
+@hookimpl
+def gyre_launch_harness(spec: ExecutionSpec) -> Any:
+    argv = launch_command(spec)
+    if argv is None:
+        return None
+    workdir = Path(spec.workdir)
+    home = workdir.parent / f"{workdir.name}.home"
+    home.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = harness_env(spec, home)
+    if spec.harness == "claude-code":
+        env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_MODEL": env["GYRE_MODEL"],
+                    "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
+    return SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"))

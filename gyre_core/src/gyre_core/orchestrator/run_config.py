@@ -1,0 +1,261 @@
+"""The configuration of a live run: one TOML (or YAML) file, validated before anything starts.
+
+Every knob of the scheduler (``[scheduler]``, the fields of
+:class:`~gyre_core.config.SchedulerConfig`) and of the data plane, the model, the cells, the
+harness and the proxy lives here; command-line flags override the file (``--set
+section.key=value`` for any of them). Unknown sections or keys, wrong types and out-of-range values
+are :class:`~gyre_core.config.ConfigError` naming ``section.key`` -- a typo must not silently run
+a multi-hour job with a default.
+
+Defaults describe the *embedded* job: a tiny model built locally, a core and one satellite on
+one CPU machine, the built-in ``number-guess`` task, three training steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from gyre_core.config import ConfigError, SchedulerConfig
+
+__all__ = ["HARNESSES", "RunConfig", "load_run_config"]
+
+HARNESSES = ("number-guess", "command", "claude-code")
+
+
+@dataclass
+class RunSection:
+    steps: int = 3
+    """Training steps to run (policy versions produced)."""
+    seed: int = 0
+    out_dir: str = "runs/embedded"
+    resume: bool = False
+    """Continue the run journalled in ``out_dir`` instead of starting a new one."""
+    max_wall_s: float = 1800.0
+    """Give up (cleanly, with a summary) after this long."""
+
+
+@dataclass
+class ModelSection:
+    dir: str = ""
+    """A Hugging Face model directory (Qwen2 family) to start from; empty: build the tiny model."""
+    name: str = "gyre-policy"
+    """The model name harnesses send; any other name is refused by the proxy."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    vocab_size: int = 1024
+    max_seq_len: int = 2048
+
+
+@dataclass
+class TaskSection:
+    name: str = "number-guess"
+    turns: int = 3
+
+
+@dataclass
+class HarnessSection:
+    kind: str = "number-guess"
+    command: list[str] = field(default_factory=list)
+    timeout_s: float = 180.0
+    """Harness timeout: past it the harness is killed and its workspace assessed and used."""
+    overall_budget_s: float = 420.0
+    """Overall budget of an execution incl. evaluation retries: past it it is discarded."""
+    claude_bin: str = "claude"
+
+
+@dataclass
+class DataPlaneSection:
+    j_max: int = 2
+    """Trajectories selected per execution."""
+    token_budget: int = 2048
+    """Tokens per micro-step per data-parallel rank."""
+
+
+@dataclass
+class TrainingSection:
+    lr: float = 1e-4
+    pp: int = 1
+    clip_grad: float = 1.0
+    step_timeout_s: float = 600.0
+
+
+@dataclass
+class ServingSection:
+    max_total_tokens: int = 16384
+    extra_args: list[str] = field(default_factory=list)
+    """Passed to every SGLang server unchanged."""
+    start_timeout_s: float = 300.0
+
+
+@dataclass
+class ProxySection:
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
+@dataclass
+class SamplingSection:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 24
+
+
+def _embedded_scheduler() -> dict[str, Any]:
+    return {"mode": "gyre", "cells": 2, "cell_capacity": 4, "group_size": 4, "groups_per_step": 2,
+            "steps_per_burst": 1, "extra_dispatch": 1.0, "rho_min": 0.5, "supply_window_s": 2.0}
+
+
+@dataclass
+class RunConfig:
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(**_embedded_scheduler()))
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    harness: HarnessSection = field(default_factory=HarnessSection)
+    dataplane: DataPlaneSection = field(default_factory=DataPlaneSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    serving: ServingSection = field(default_factory=ServingSection)
+    proxy: ProxySection = field(default_factory=ProxySection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+
+    def validate(self) -> "RunConfig":
+        def need(cond: bool, where: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{where}: {msg}")
+
+        need(self.run.steps >= 1, "run.steps", "must be ≥ 1")
+        need(self.run.max_wall_s > 0, "run.max_wall_s", "must be > 0")
+        need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
+        need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
+        need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",
+             "must be > 0 and ≤ harness.overall_budget_s")
+        need(self.task.name == "number-guess" or self.harness.kind != "number-guess", "task.name",
+             "the number-guess harness plays the number-guess task")
+        need(self.task.turns >= 1, "task.turns", "must be ≥ 1")
+        need(self.dataplane.j_max >= 1, "dataplane.j_max", "must be ≥ 1")
+        need(self.dataplane.token_budget >= 64, "dataplane.token_budget", "must be ≥ 64")
+        need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
+        need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
+        need(self.serving.max_total_tokens >= 1024, "serving.max_total_tokens", "must be ≥ 1024")
+        need(0 <= self.proxy.port < 65536, "proxy.port", "must be a TCP port (0: any free one)")
+        need(self.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be ≥ 1")
+        need(self.sampling.temperature >= 0, "sampling.temperature", "must be ≥ 0")
+        need(self.model.max_seq_len >= self.dataplane.token_budget, "model.max_seq_len",
+             "must be ≥ dataplane.token_budget (a micro-step row must fit the model)")
+        need(self.scheduler.cells >= 1, "scheduler.cells", "must be ≥ 1")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["scheduler"]["mode"] = self.scheduler.mode.value
+        d["scheduler"]["short_group"] = self.scheduler.short_group.value
+        return d
+
+
+_SECTIONS = {f.name: f for f in fields(RunConfig)}
+
+
+def _coerce(where: str, default: Any, value: Any, annotation: str) -> Any:
+    if isinstance(default, bool) or annotation == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int) and annotation.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float) or annotation.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(default, list):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+        return list(value)
+    return value
+
+
+def _build_section(name: str, raw: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"[{name}]: expected a table, got {raw!r}")
+    if name == "scheduler":
+        merged = {**_embedded_scheduler(), **raw}
+        known = {f.name for f in fields(SchedulerConfig)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise ConfigError(f"scheduler.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        try:
+            return SchedulerConfig(**merged)
+        except ConfigError as e:
+            raise ConfigError(f"scheduler.{e}") from e
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"scheduler: {e}") from e
+    cls = _SECTIONS[name].default_factory()  # type: ignore[misc]
+    known = {f.name: f for f in fields(cls)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+        setattr(cls, key, _coerce(f"{name}.{key}", getattr(cls, key), value, str(known[key].type)))
+    return cls
+
+
+def _parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML/JSON literal if it parses as one, else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+def load_run_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Read ``path`` (TOML, or YAML if PyYAML is installed), apply ``overrides``
+    (``{"section.key": value}``; string values are parsed as TOML literals), validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {p}: {e.strerror or e}") from e
+        try:
+            if p.suffix in (".yaml", ".yml"):
+                import yaml  # type: ignore[import-untyped]
+
+                raw = yaml.safe_load(text) or {}
+            else:
+                raw = tomllib.loads(text)
+        except ImportError as e:
+            raise ConfigError(f"config file {p}: YAML needs PyYAML (pip install pyyaml), or use TOML") from e
+        except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError
+            raise ConfigError(f"config file {p}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {p}: expected a table of sections")
+    raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"--set {dotted}: expected section.key=value")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"[{section}]: expected a table")
+        raw[section][key] = _parse_value(value) if isinstance(value, str) else value
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"[{unknown[0]}]: unknown section (known: {', '.join(_SECTIONS)})")
+    cfg = RunConfig()
+    for name, section in raw.items():
+        setattr(cfg, name, _build_section(name, section))
+    return cfg.validate()

@@ -1,0 +1,59 @@
+"""``gyre-orchestrate run`` end to end: the embedded default job on this machine.
+
+Real parts throughout: Megatron ranks (gloo), two SGLang CPU servers with Gyre's plugin, the TITO
+proxy, one harness process per execution (official OpenAI SDK), the built-in number-guess task.
+Counts what every run must account for: each dispatched execution launched once, each launched
+one finished once, each finished one trained, dropped, surplus or excluded -- zero lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+pytest.importorskip("sglang")
+pytest.importorskip("megatron.core")
+
+
+def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--json-summary"],
+        capture_output=True, text=True, timeout=840, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert summary["steps"] == 3
+    assert len(summary["rewards"]) == 3 and all(r is None or 0.0 <= r <= 1.0 for r in summary["rewards"])
+    assert summary["mean_staleness"] is not None and 0.0 <= summary["mean_staleness"] <= 2.0
+    ex = summary["executions"]
+    assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0
+    # every finished execution is accounted for; none is lost
+    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    assert accounted == ex["finished"]
+    assert ex["trained"] == 3 * 2 * 4  # 3 steps × B=2 groups × N=4
+    assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"]
+
+    switches = summary["role_switches"]
+    assert any(s["transition"] == "to_training" for s in switches)
+    assert any(s["transition"] == "to_rollout" for s in switches)
+    for s in switches:
+        assert s["total_s"] >= 0 and s["phases"]
+    assert {"stop_intake", "abort", "flush", "release_memory"} <= set(
+        next(s for s in switches if s["transition"] == "to_training")["phases"])
+
+    assert (out / "checkpoint" / "model.safetensors").stat().st_size > 0
+    assert (out / "role_timeline.svg").read_text().startswith("<svg")
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert sum(1 for e in events if e.get("event") == "MicroStepsDone") == 3
+    assert summary["policy_version"] == 3
+    # harnesses went through the proxy: every trained execution has a workspace with its answer
+    answers = list((out / "executions").glob("e*/answer.json"))
+    assert len(answers) >= ex["trained"]
