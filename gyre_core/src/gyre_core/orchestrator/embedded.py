@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from gyre_core.interfaces import WeightsRef
 from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator
@@ -35,7 +35,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 
 
-def _plugin_manager() -> Any:
+def _plugin_manager(extra_plugins: Sequence[Any] = ()) -> Any:
     from gyre_core.orchestrator import harness
     from gyre_core.plugins import plugin_manager
     from gyre_core.proxy.classify import DEFAULT_CLASSIFIER
@@ -46,6 +46,8 @@ def _plugin_manager() -> Any:
                       (DEFAULT_CLASSIFIER, "gyre-core.claude-code-roles")):
         if pm.get_plugin(name) is None:
             pm.register(mod, name=name)
+    for i, plugin in enumerate(extra_plugins):  # e.g. a test's evaluator that raises or hangs
+        pm.register(plugin, name=f"extra-{i}")
     return pm
 
 
@@ -97,16 +99,26 @@ async def _serve_proxy(app: Any, host: str, port: int) -> tuple[Any, asyncio.Tas
     return server, task, int(sockets[0].getsockname()[1])
 
 
-def run_live(cfg: RunConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run ``cfg`` to its end and return the summary (also written to ``summary.json``)."""
+def run_live(
+    cfg: RunConfig,
+    progress: Callable[[str], None] | None = None,
+    *,
+    plugins: Sequence[Any] = (),
+    on_started: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict[str, Any]:
+    """Run ``cfg`` to its end and return the summary (also written to ``summary.json``).
+
+    ``plugins`` are registered on top of the installed ones (their hooks are called first).
+    ``on_started`` is called once everything runs, with ``{"orchestrator", "engines", "proxy",
+    "proxy_url", "loop"}`` -- for tools and fault-injection tests that need to reach the parts."""
     say = progress or (lambda m: print(f"[gyre {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pm = _plugin_manager()
+    pm = _plugin_manager(plugins)
     engines: list[Any] = []
     t0 = time.monotonic()
     try:
-        return asyncio.run(_run(cfg, out, pm, engines, say, t0))
+        return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started))
     finally:
         for e in engines:
             with contextlib.suppress(Exception):
@@ -117,7 +129,8 @@ def run_live(cfg: RunConfig, progress: Callable[[str], None] | None = None) -> d
             shutdown_worlds()
 
 
-async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Callable[[str], None], t0: float) -> dict[str, Any]:
+async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Callable[[str], None], t0: float,
+               on_started: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from gyre_core.proxy.app import build_app, default_faces
@@ -178,6 +191,9 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         with open(out / "events.jsonl", "w") as event_log:
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(0, str(model_dir)), progress=say, event_log=event_log)
+            if on_started is not None:
+                on_started({"orchestrator": orch, "engines": list(started), "proxy": service,
+                            "proxy_url": proxy_url, "loop": asyncio.get_running_loop()})
             try:
                 summary = await orch.run()
             finally:
