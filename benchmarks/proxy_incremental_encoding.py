@@ -4,7 +4,8 @@
 (a stand-in that answers fixed tokens: this measures the proxy's own work, not a model). Reports
 tokens encoded per call against the new content's tokens (should stay ~1), and the per-call proxy
 time early vs late in the execution (should stay flat while the context grows ~300x), next to what
-re-encoding the whole context would cost on the last call. Prints one JSON object.
+re-encoding the whole context would cost on the last call, and how the proxy rendered the calls
+(tail renders vs full-render fallbacks, ``ProxyService.incremental_stats``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--turn-words", type=int, default=14, help="words per new user turn")
+    ap.add_argument("--window", type=int, default=50, help="calls in the first/last timing windows")
     args = ap.parse_args()
 
     renderer = ChatRenderer.from_model_dir(cached_tiny_model())
@@ -63,6 +65,8 @@ def main() -> None:
     full = renderer.encode(last_prompt)
     full_encode_s = time.perf_counter() - t0
     k = max(1, args.calls // 10)
+    w = max(1, min(args.window, args.calls // 2))
+    first_w, last_w = per_call_s[1:w + 1], per_call_s[-w:]  # call 0 (the first, cold render) left out
     ratio = sum(encoded[1:]) / max(1, sum(new_content))
     print(json.dumps({
         "benchmark": "proxy_incremental_encoding",
@@ -75,6 +79,13 @@ def main() -> None:
         "max_encoded_per_call_after_first": max(encoded[1:]),
         "per_call_ms_first_10pct_median": round(1e3 * statistics.median(per_call_s[1:k + 1]), 3),
         "per_call_ms_last_10pct_median": round(1e3 * statistics.median(per_call_s[-k:]), 3),
+        "window_calls": w,
+        "per_call_ms_first_window_mean": round(1e3 * statistics.fmean(first_w), 3),
+        "per_call_ms_last_window_mean": round(1e3 * statistics.fmean(last_w), 3),
+        "per_call_ms_first_window_median": round(1e3 * statistics.median(first_w), 3),
+        "per_call_ms_last_window_median": round(1e3 * statistics.median(last_w), 3),
+        "last_over_first_window_mean": round(statistics.fmean(last_w) / statistics.fmean(first_w), 3),
+        "rendering": svc.incremental_stats(),
         "full_reencode_last_context_ms": round(1e3 * full_encode_s, 3),
         "full_reencode_last_context_tokens": len(full),
         "tree_nodes": len(list(svc.records(eid).tree)),

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gyre_core.proxy.context_index import ContextIndex
+from gyre_core.proxy.context_index import ContextIndex, Match
 from gyre_core.proxy.payloads import ToolPayloadCache
 from gyre_core.trajectory import Provenance, TrajectoryTree, TreeNode
 
@@ -125,8 +125,14 @@ class ExecutionRecords:
         tail: str,
         node_metadata: Mapping[str, Any],
         make_record: Any,
+        messages: Sequence[Any] | None = None,
+        tools_key: str = "",
+        match: Match | None = None,
     ) -> CallRecord | None:
-        """Append one call's node (input segment + output) and its record; None if it added no token."""
+        """Append one call's node (input segment + output) and its record; None if it added no token.
+
+        ``messages`` (the request's, payloads restored, then the answer), ``tools_key`` and the
+        request's ``match`` put the node into the index's message trie (``context_index``)."""
         if not new_input_ids and not output_ids:
             return None
         node_id = self._next_node
@@ -140,7 +146,7 @@ class ExecutionRecords:
         tokens = torch.tensor(list(new_input_ids) + list(output_ids), dtype=torch.int64)
         node = TreeNode(node_id, parent, tokens, prov, lp, dict(node_metadata))
         self.tree.add(node)
-        self.index.add(node_id, parent, segment, tail)
+        self.index.add(node_id, parent, segment, tail, messages=messages, tools_key=tools_key, start=match)
         self._next_node += 1
         record: CallRecord = make_record(node_id)
         self.calls.append(record)

@@ -15,6 +15,7 @@ Interface for the HTTP faces (``openai_api``, ``anthropic_api``) and the orchest
     service.reroute(engine_url, destinations=None) -> RerouteResult
     service.restore_engine(engine_url)
     service.inflight(engine_url) -> list[str]            # engine request ids in flight there
+    service.incremental_stats() -> dict                  # tail renders vs full-render fallbacks
 
     # a face, per HTTP request
     execution_id: str = service.authenticate(api_key)    # ProxyError(401) for an unknown/closed key
@@ -52,6 +53,14 @@ Decisions
   masked distribution, not behaviour log-probs, so those tokens are never training targets. The
   engine's log-probs stay in the call record.
 * A call the client abandons (disconnect) is aborted at the engine and not recorded.
+* Per-call proxy work stays proportional to the new content, not the context: the request is
+  matched against the execution's tree message by message (``ContextIndex.match_messages``, a
+  dict lookup per message), and only the messages after the matched node are rendered
+  (``ChatRenderer.render_tail``). When the template cannot be tail-rendered exactly (probed once,
+  checked at the boundary every call), the call falls back to the full render and the text walk
+  (``ContextIndex.match``), and is counted (:meth:`ProxyService.incremental_stats`). The first
+  ``verify_tail_renders`` tail-rendered calls are also checked against the full render; a
+  difference disables tail rendering for good.
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ from gyre_core.proxy.classify import classify_metadata, request_role_metadata
 from gyre_core.proxy.context_index import Match, answer_tail
 from gyre_core.proxy.parse import parse_output
 from gyre_core.proxy.records import CallRecord, ExecutionRecords
-from gyre_core.proxy.render import ChatRenderer
+from gyre_core.proxy.render import ChatRenderer, tools_key
 from gyre_core.proxy.routing import EngineRouter, NoEngineAvailable, RerouteResult
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, Usage
 from gyre_core.proxy.validate import validate_messages, validate_tools
@@ -101,6 +110,10 @@ class ProxyConfig:
     retry_wait_s: float = 10.0
     """How long a retry waits for the orchestrator to reroute an execution off an engine that
     aborted or vanished before failing over on its own."""
+    engine_wait_s: float = 300.0
+    """How long a call waits for a registered rollout engine to accept again when none does (an
+    engine being restarted by the orchestrator's watchdog while the others train) before it
+    fails with 503. With no engine registered at all the 503 is immediate."""
     max_body_bytes: int = 32 * 1024 * 1024
 
 
@@ -122,6 +135,8 @@ class PreparedCall:
     messages: tuple[ChatMessage, ...]
     """The request's messages with tool-call payloads restored."""
     prompt: str
+    """The rendered prompt text after the matched node's canonical text (what is encoded, after
+    ``match.tail``); the full prompt is never built on the fast path."""
     match: Match
     new_ids: list[int]
     """Tokens encoded for this call (the rest of ``input_ids`` was reused from the tree)."""
@@ -131,6 +146,11 @@ class PreparedCall:
     started: float
     call_id: str
     """Id of the record this call will make (known before the engine runs, for stream ids)."""
+    tools_key: str = ""
+    incremental: bool = False
+    """``prompt`` was rendered as a tail after ``match.matched_messages`` messages."""
+    full_prompt: str | None = None
+    """The full render, when this call made one (the fallback)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,11 @@ class ProxyService:
         self._inflight: dict[str, dict[str, int]] = {}  # engine url -> rid -> execution id
         window = self.config.context_window or renderer.context_window
         self.context_window: int | None = window
+        self.verify_tail_renders = 8
+        """Tail-rendered calls still to be checked against the full render (O(context) each)."""
+        self._stats = {"tail_renders": 0, "root_renders": 0, "full_render_fallbacks": 0,
+                       "verified": 0, "verify_mismatches": 0, "verify_other_node": 0,
+                       "continuation_fallbacks": 0}
 
     # -- engines ---------------------------------------------------------------------------------
 
@@ -193,6 +218,15 @@ class ProxyService:
 
     def inflight(self, engine_url: str) -> list[str]:
         return sorted(self._inflight.get(engine_url, {}))
+
+    def incremental_stats(self) -> dict[str, Any]:
+        """How calls were rendered: ``tail_renders`` (only the new messages), ``root_renders``
+        (nothing matched: everything is new), ``full_render_fallbacks`` (the whole conversation
+        rendered and walked as text because a tail could not be rendered exactly), plus the
+        verification counters and whether the template supports tail rendering at all."""
+        return {**self._stats, "alias_edges": sum(e.records.index.aliases for e in self._executions.values()),
+                "tail_rendering": self.renderer.supports_tail_rendering(),
+                "tail_unsupported_reason": self.renderer.tail_unsupported_reason}
 
     # -- executions ------------------------------------------------------------------------------
 
@@ -311,20 +345,58 @@ class ProxyService:
         ex, eid = self._check(request)
         rec = ex.records
         messages = rec.payloads.restore(request.messages)
-        prompt = self.renderer.render(messages, request.tools, add_generation_prompt=True)
-        match = rec.index.match(prompt)
-        new_ids = self.renderer.encode(match.tail + prompt[match.matched_chars:])
+        tkey = tools_key(request.tools)
+        match, rest, incremental, full = self._match_and_render(rec, messages, request.tools, tkey)
+        new_ids = self.renderer.encode(match.tail + rest)
         input_ids = rec.path_ids(match.node_id) + new_ids
         params = self._sampling(ex, request, len(input_ids))
         constrained = any(params.get(k) is not None for k in CONSTRAINT_KEYS)
         return PreparedCall(
-            request, eid, messages, prompt, match, new_ids, input_ids, params, constrained, started,
-            "gyre-" + secrets.token_hex(8),
+            request, eid, messages, rest, match, new_ids, input_ids, params, constrained, started,
+            "gyre-" + secrets.token_hex(8), tkey, incremental, full,
         )
+
+    def _match_and_render(
+        self, rec: ExecutionRecords, messages: tuple[ChatMessage, ...], tools: Any, tkey: str
+    ) -> tuple[Match, str, bool, str | None]:
+        """The matched node and the prompt text after it: (match, rest, incremental, full prompt)."""
+        r = self.renderer
+        if r.supports_tail_rendering():
+            def equivalent(msgs: Any, i: int, stored: Any) -> bool:
+                head = tuple(msgs[:i])
+                mine = r.render_tail(head + (msgs[i],), i, tools, add_generation_prompt=False, tkey=tkey)
+                return mine is not None and mine == r.render_tail(
+                    head + (stored,), i, tools, add_generation_prompt=False, tkey=tkey)
+
+            match = rec.index.match_messages(tkey, messages, equivalent)
+            if match.node_id is None:
+                self._stats["root_renders"] += 1
+                prompt = r.render(messages, tools, add_generation_prompt=True)
+                return match, prompt, True, prompt
+            rest = r.render_tail(messages, match.matched_messages, tools, add_generation_prompt=True,
+                                 boundary=rec.index.segment(match.node_id), tkey=tkey)
+            if rest is not None and self.verify_tail_renders <= 0:
+                self._stats["tail_renders"] += 1
+                return match, rest, True, None
+            if rest is not None:
+                self.verify_tail_renders -= 1
+                self._stats["verified"] += 1
+                full = r.render(messages, tools, add_generation_prompt=True)
+                if full == rec.index.path_text(match.node_id) + rest:
+                    if rec.index.match(full).node_id != match.node_id:
+                        self._stats["verify_other_node"] += 1
+                    self._stats["tail_renders"] += 1
+                    return match, rest, True, full
+                self._stats["verify_mismatches"] += 1
+                r.disable_tail_rendering("a tail render differed from the full render (checked at run time)")
+        self._stats["full_render_fallbacks"] += 1
+        prompt = r.render(messages, tools, add_generation_prompt=True)
+        match = rec.index.match(prompt)
+        return match, prompt[match.matched_chars:], False, prompt
 
     async def execute(self, call: "PreparedCall") -> ChatResponse:
         """The engine call (with invisible retries), parsing, and recording of a prepared call."""
-        request, eid, messages, prompt, match = call.request, call.execution_id, call.messages, call.prompt, call.match
+        request, eid, messages, match = call.request, call.execution_id, call.messages, call.match
         new_ids, input_ids, params, constrained, started = (
             call.new_ids, call.input_ids, call.params, call.constrained, call.started
         )
@@ -340,7 +412,7 @@ class ProxyService:
         sampled_text = self.renderer.decode(result.output_ids)
         parsed = parse_output(sampled_text, eos_text=self.renderer.eos_text, call_id_prefix=prefix)
         answer = ChatMessage("assistant", parsed.content, parsed.reasoning, parsed.tool_calls)
-        segment, tail = self._continuation(messages, answer, request, prompt, match.matched_chars, sampled_text)
+        segment, tail = self._continuation(call, answer, sampled_text)
         logprobs_ok = all(math.isfinite(x) for x in result.logprobs)
         trainable = not constrained and logprobs_ok
         finish = result.finish_reason
@@ -383,6 +455,7 @@ class ProxyService:
             parent=match.node_id, new_input_ids=new_ids, output_ids=result.output_ids, logprobs=result.logprobs,
             output_provenance=Provenance.SAMPLED if trainable else Provenance.EXTERNAL,
             segment=segment, tail=tail, node_metadata=node_meta, make_record=make_record,
+            messages=messages + (answer,), tools_key=call.tools_key, match=match,
         )
         for c in parsed.tool_calls:
             rec.payloads.put(c)
@@ -392,18 +465,31 @@ class ProxyService:
             usage=Usage(len(input_ids), len(result.output_ids), result.cached_tokens),
         )
 
-    def _continuation(
-        self, messages: tuple[ChatMessage, ...], answer: ChatMessage, request: ChatRequest,
-        prompt: str, matched: int, sampled_text: str,
-    ) -> tuple[str | None, str]:
-        """The new node's canonical segment and tail (see ``context_index``)."""
+    def _continuation(self, call: PreparedCall, answer: ChatMessage, sampled_text: str) -> tuple[str | None, str]:
+        """The new node's canonical segment and tail (see ``context_index``): the template's text
+        for the request's messages plus the answer, after the matched node's canonical text."""
+        r, rest, match, tools = self.renderer, call.prompt, call.match, call.request.tools
+        convo = call.messages + (answer,)
+        if call.incremental:
+            k = match.matched_messages if match.node_id is not None else 0
+            boundary = self._executions[call.execution_id].records.index.segment(match.node_id) if k else None
+            canon_rest = r.render_tail(convo, k, tools, add_generation_prompt=False, boundary=boundary,
+                                       tkey=call.tools_key)
+            if canon_rest is not None:
+                if not canon_rest.startswith(rest):
+                    return None, ""  # the template renders this answer differently from its prompt: a leaf for good
+                return canon_rest, answer_tail(canon_rest[len(rest):], sampled_text, r.eos_text)
+            self._stats["continuation_fallbacks"] += 1
         try:
-            canon = self.renderer.render(messages + (answer,), request.tools, add_generation_prompt=False)
+            prompt = call.full_prompt if call.full_prompt is not None else r.render(
+                call.messages, tools, add_generation_prompt=True)
+            canon = r.render(convo, tools, add_generation_prompt=False)
         except ProxyError:
             return None, ""
-        if not canon.startswith(prompt):
-            return None, ""  # the template renders this answer differently from its prompt: a leaf for good
-        return canon[matched:], answer_tail(canon[len(prompt):], sampled_text, self.renderer.eos_text)
+        matched = len(prompt) - len(rest)
+        if not canon.startswith(prompt) or matched < 0 or prompt[matched:] != rest:
+            return None, ""
+        return canon[matched:], answer_tail(canon[len(prompt):], sampled_text, r.eos_text)
 
     async def _generate(
         self, eid: int, input_ids: list[int], params: Mapping[str, Any]
@@ -420,7 +506,9 @@ class ProxyService:
                 if exclude:
                     exclude = frozenset()
                     continue
-                raise ProxyError(503, "overloaded", "no rollout engine is available") from None
+                if not await self._wait_for_engine():
+                    raise ProxyError(503, "overloaded", "no rollout engine is available") from None
+                continue
             url = slot.url
             rid = f"gyre-{eid}-{secrets.token_hex(6)}"
             attempts += 1
@@ -445,6 +533,17 @@ class ProxyService:
                 raise ProxyError(503, "overloaded", f"the call was interrupted {attempts} times; giving up")
             moved = await self._wait_for_reroute(eid, url)
             exclude = frozenset({url}) if (unreachable and not moved) else frozenset()
+
+    async def _wait_for_engine(self) -> bool:
+        """Wait (bounded by ``engine_wait_s``) until some registered engine accepts again."""
+        if not self.router.engines():
+            return False
+        deadline = time.monotonic() + self.config.engine_wait_s
+        while not any(s.accepting for s in self.router.engines()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     async def _wait_for_reroute(self, eid: int, url: str) -> bool:
         """Wait (bounded) until the execution is moved off ``url`` or ``url`` stops accepting."""
