@@ -7,7 +7,7 @@ setup:
 	./scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/gyre-orchestrate simulate --preset paper-122b --out runs/paper-122b
+	$(VENV)/bin/gyre-orchestrate run
 
 test: setup
 	$(VENV)/bin/python -m pytest

@@ -178,10 +178,43 @@ class CellRank(RankChecks):
         from gyre_megatron.export import megatron_to_hf
 
         per_stage = self.opts.spec.num_layers // self.opts.pp
-        state = {n: p.data for n, p in self.ddp.module.named_parameters()}
+        # offloaded (Colocate publishes after the pool left training): read the host copy
+        state = {n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()}
         # Clone before .numpy(): numpy on a view of a parameter marks the parameter's storage
         # non-resizable for good, and leave_training could no longer release it in place.
         return {k: v.detach().clone().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+
+    # ------------------------------------------------------------------ durability
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Core only: this stage's parameters, optimizer state and policy version, written
+        atomically to ``{path}.stage{S}``. Satellites hold no authoritative state (they pull)."""
+        if not self.is_core:
+            return {}
+        import os
+
+        state = {"params": [p.detach().clone() for p in self.params],
+                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                 "version": self.version}
+        final = f"{path}.stage{self.stage}"
+        torch.save(state, final + ".tmp")
+        os.replace(final + ".tmp", final)
+        return {"path": final, "version": self.version}
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Core only: restore what :meth:`save_checkpoint` wrote (after a restart)."""
+        if not self.is_core:
+            return {}
+        # Clone what torch.load made: its storages are not resizable, so leave_training could no
+        # longer release them in place (the optimizer keeps the loaded state tensors as they are).
+        state = _owned(torch.load(f"{path}.stage{self.stage}", weights_only=False))
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.zero_grads()
+        return {"version": self.version}
 
     # ------------------------------------------------------------------ §4 enter / leave
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -373,11 +406,26 @@ class CellRank(RankChecks):
         return info
 
 
+def _owned(obj: Any) -> Any:
+    """``obj`` with every tensor inside replaced by a clone that owns an ordinary storage."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _owned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_owned(v) for v in obj)
+    return obj
+
+
 def worker_main(
     rank: int, world: int, port: int, opts: RankOptions, queues: Sequence[Any], cmd_q: Any, res_q: Any
 ) -> None:
     """Entry point of a spawned rank: init gloo, build the rank, serve commands until ``exit``."""
     import warnings
+
+    from gyre_core.procutil import die_with_parent
+
+    die_with_parent()  # an orchestrator killed outright must not leave ranks behind
 
     warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -137,6 +137,18 @@ class MegatronTrainingSide:
         ticket = self.world.submit(self.ranks, "resume_step", step, qi, self._final(step))
         return self.world.queues[qi], lambda: self.world.wait(ticket, self.timeout_s)
 
+    def save_checkpoint(self, path: str) -> None:
+        """Core only: persist the training state after a step (weights, optimizer, version)."""
+        if self.cell != 0:
+            raise ValueError("only the core holds the authoritative training state")
+        self.world.call(self.ranks, "save_checkpoint", path, timeout=self.timeout_s)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Core only: restore the state :meth:`save_checkpoint` wrote (resume after a crash)."""
+        if self.cell != 0:
+            raise ValueError("only the core holds the authoritative training state")
+        self.world.call(self.ranks, "load_checkpoint", path, timeout=self.timeout_s)
+
     def publish_weights(self, version: int) -> WeightsRef:
         if self.cell != 0:
             raise ValueError("only the core publishes weights")

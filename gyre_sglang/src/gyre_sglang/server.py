@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_core.procutil import die_with_parent
+
 __all__ = ["SGLangServer", "ServerStartError", "free_port", "patches_dir"]
 
 
@@ -110,7 +112,7 @@ class SGLangServer:
         try:
             self.proc = subprocess.Popen(
                 self.command(), env=self._environment(), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
         finally:
             if out is not subprocess.DEVNULL:

@@ -101,6 +101,14 @@ class AssessmentLedger:
             raise ValueError(f"execution {execution_id}: deadline must be finite, got {deadline!r}")
         self._entries[execution_id] = _Entry(float(deadline))
 
+    def relaunch(self, execution_id: int, deadline: float) -> None:
+        """The execution was running when the orchestrator crashed and is started again from
+        scratch (same id, counted once): its budget restarts and nothing assessed survives."""
+        e = self._entry(execution_id)
+        if e.state is not EvalState.RUNNING:
+            raise ValueError(f"execution {execution_id} is {e.state.value}: only a running one restarts")
+        self._entries[execution_id] = _Entry(float(deadline))
+
     def record_intermediate(self, execution_id: int, assessment: Assessment) -> None:
         """Keep an assessment of an intermediate artifact, attached to the state it assessed.
 
@@ -185,6 +193,12 @@ class AssessmentLedger:
         ]
 
     # ----------------------------------------------------------------- queries
+
+    def __contains__(self, execution_id: object) -> bool:
+        return execution_id in self._entries
+
+    def deadline(self, execution_id: int) -> float:
+        return self._entry(execution_id).deadline
 
     def state(self, execution_id: int) -> EvalState:
         return self._entry(execution_id).state

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -24,8 +25,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gyre_core.interfaces import WeightsRef
+from gyre_core.config import ConfigError
+from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator
 from gyre_core.orchestrator.run_config import RunConfig
+from gyre_core.orchestrator.watchdog import EngineWatchdog
 
 __all__ = ["run_live"]
 
@@ -33,6 +37,21 @@ log = logging.getLogger("gyre.orchestrator")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
+
+
+JOURNAL = "journal.jsonl"
+"""The run's durable state in ``run.out_dir`` (see :mod:`gyre_core.orchestrator.journal`)."""
+
+RESUME_MUST_MATCH = ("scheduler", "task", "dataplane", "model")
+"""Sections a resumed run must share with the journalled one (the rest may change, e.g. timeouts)."""
+
+
+def _check_resumable(replay: Replay, cfg: RunConfig) -> None:
+    now = cfg.as_dict()
+    for section in RESUME_MUST_MATCH:
+        if replay.config.get(section) != now[section]:
+            raise ConfigError(f"{section}: differs from the journalled run's; a resume must keep "
+                              f"{', '.join(RESUME_MUST_MATCH)} unchanged")
 
 
 def _plugin_manager(extra_plugins: Sequence[Any] = ()) -> Any:
@@ -112,13 +131,22 @@ def run_live(
     ``on_started`` is called once everything runs, with ``{"orchestrator", "engines", "proxy",
     "proxy_url", "loop"}`` -- for tools and fault-injection tests that need to reach the parts."""
     say = progress or (lambda m: print(f"[gyre {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
-    out = Path(cfg.run.out_dir)
+    out = Path(cfg.run.out_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg.run.out_dir = str(out)
+    journal_path = out / JOURNAL
+    if cfg.run.resume:
+        replay = Replay.load(journal_path)
+        _check_resumable(replay, cfg)
+    elif journal_path.exists():
+        raise ConfigError(f"run.out_dir: {out} holds a run already: pass --resume to continue it, or another --out")
+    else:
+        replay = None
     out.mkdir(parents=True, exist_ok=True)
     pm = _plugin_manager(plugins)
     engines: list[Any] = []
     t0 = time.monotonic()
     try:
-        return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started))
+        return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started, replay))
     finally:
         for e in engines:
             with contextlib.suppress(Exception):
@@ -130,7 +158,7 @@ def run_live(
 
 
 async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Callable[[str], None], t0: float,
-               on_started: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+               on_started: Callable[[dict[str, Any]], Any] | None = None, replay: Replay | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from gyre_core.proxy.app import build_app, default_faces
@@ -152,8 +180,21 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     training = [await asyncio.to_thread(pm.hook.gyre_make_training_side, cell=i, options=train_opts) for i in range(k)]
     if any(t is None for t in training):
         raise RuntimeError("no training backend: install gyre-megatron (and megatron-core)")
-    v0 = await asyncio.to_thread(training[0].publish_weights, 0)
-    model_dir = _serving_dir(v0, tok_dir)
+    if replay is None or not (out / "weights" / "v0" / "config.json").exists():
+        v0 = await asyncio.to_thread(training[0].publish_weights, 0)
+    else:
+        v0 = WeightsRef(0, str(out / "weights" / "v0"))
+    start_weights = v0
+    if replay is not None:
+        done = {e.step for _, e in replay.events if type(e).__name__ == "MicroStepsDone"}
+        ckpt = max((s for s in replay.checkpoints if s in done), default=None)
+        if ckpt is not None:
+            say(f"resuming: core loads its state after step {ckpt}")
+            await asyncio.to_thread(training[0].load_checkpoint, replay.checkpoints[ckpt])
+        if replay.published:
+            v = max(replay.published)
+            start_weights = WeightsRef(v, replay.published[v])
+    model_dir = _serving_dir(start_weights, tok_dir)
 
     say(f"starting {k} SGLang engine(s) on {model_dir}")
     opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
@@ -188,9 +229,14 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     proxy_url = f"http://{cfg.proxy.host}:{port}"
     say(f"proxy on {proxy_url}; running {cfg.run.steps} step(s) in {cfg.scheduler.mode.value} mode")
     try:
-        with open(out / "events.jsonl", "w") as event_log:
+        journal = Journal(out / JOURNAL, fresh=replay is None)
+        with open(out / "events.jsonl", "a" if replay is not None else "w") as event_log:
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
-                                    weights=WeightsRef(0, str(model_dir)), progress=say, event_log=event_log)
+                                    weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
+                                    event_log=event_log, journal=journal, replay=replay)
+            orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
+                                             say).attach(orch)
+            orch._spawn(orch.watchdog.run(), "engine watchdog")
             if on_started is not None:
                 on_started({"orchestrator": orch, "engines": list(started), "proxy": service,
                             "proxy_url": proxy_url, "loop": asyncio.get_running_loop()})
@@ -206,10 +252,45 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         for slot in service.router.engines():
             with contextlib.suppress(Exception):
                 await slot.client.close()
+    journal.close()
     summary["executions"] = summary_at_stop["executions"]
+    summary["engine_restarts"] = [dataclasses.asdict(r) for r in orch.watchdog.restarts]
     summary["wall_s"] = round(time.monotonic() - t0, 2)
     _write_outputs(out, orch, summary, cfg)
     return summary
+
+
+def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, engines: list[Any],
+                     started: Sequence[Any], version: int, say: Callable[[str], None]) -> EngineWatchdog:
+    """The run's engine watchdog: a dead cell engine is killed for good and started again with
+    the same options on ``model_dir`` (policy ``version``); the watchdog brings it up to date."""
+    current = list(started)
+    restarts = [0] * len(current)
+
+    async def restart(cell: int) -> Any:
+        await asyncio.to_thread(current[cell].kill)
+        restarts[cell] += 1
+        log_path = out / f"engine{cell}.restart{restarts[cell]}.log"
+
+        def start() -> Any:  # registered in the worker thread: a run ending meanwhile still stops it
+            e = pm.hook.gyre_start_engine(model_dir=str(model_dir), options={**opts, "log_path": str(log_path)})
+            if e is not None:
+                engines.append(e)  # stopped by pid with the others at the end of the run
+            return e
+
+        e = await asyncio.to_thread(start)
+        if e is None:
+            raise RuntimeError("no serving backend answered gyre_start_engine")
+        current[cell] = e
+        return e
+
+    def alive(cell: int) -> bool | None:
+        proc = getattr(current[cell], "proc", False)  # SGLangServer: None once killed or stopped
+        if proc is False:
+            return None
+        return proc is not None and proc.poll() is None
+
+    return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say)
 
 
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import ExecutionSpec
+from gyre_core.procutil import die_with_parent
 
 __all__ = ["SubprocessHarness", "harness_env", "launch_command"]
 
@@ -34,7 +35,8 @@ class SubprocessHarness:
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()

@@ -22,11 +22,12 @@ import json
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from gyre_core.dataplane.assessment import AssessmentLedger
+from gyre_core.dataplane.assessment import AssessmentLedger, EvalState
 from gyre_core.dataplane.packing import PackingConfig, StreamPackingBuffer
 from gyre_core.dataplane.trajectory_buffer import ScoredExecution, TrajectoryBuffer
 from gyre_core.interfaces import (
@@ -38,6 +39,7 @@ from gyre_core.interfaces import (
     TrainingSide,
     WeightsRef,
 )
+from gyre_core.orchestrator.journal import Journal, Replay, event_from_json, selected_from_json, selected_to_json, tree_from_json, tree_to_json
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome, Role
@@ -115,6 +117,8 @@ class LiveOrchestrator:
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[str], None] | None = None,
         event_log: IO[str] | None = None,
+        journal: Journal | None = None,
+        replay: Replay | None = None,
     ) -> None:
         if len(cells) != cfg.scheduler.cells:
             raise ValueError(f"{len(cells)} cells given, scheduler.cells = {cfg.scheduler.cells}")
@@ -128,6 +132,14 @@ class LiveOrchestrator:
         self.clock = clock
         self.progress = progress or (lambda msg: None)
         self.event_log = event_log
+        self.watchdog: Any = None  # an EngineWatchdog (orchestrator.watchdog), set by the launcher
+        # Harness waits and evaluator calls get their own pool: every running harness blocks a
+        # thread in wait() and a hung evaluator keeps its thread until it returns, which would
+        # starve the default pool (cores + 4 threads) that cell and engine calls use.
+        self._blocking = ThreadPoolExecutor(max_workers=4 * cfg.scheduler.cells * cfg.scheduler.cell_capacity + 16,
+                                            thread_name_prefix="gyre-blocking")
+        self.journal = journal
+        self.replay = replay
         self.sched = Scheduler(cfg.scheduler)
         self.buffer = TrajectoryBuffer(cfg.scheduler.group_size, cfg.scheduler.short_group)
         self.ledger = AssessmentLedger()
@@ -186,7 +198,12 @@ class LiveOrchestrator:
     async def run(self) -> dict[str, Any]:
         steps = self.cfg.run.steps
         deadline = self.cfg.run.max_wall_s
-        self._handle(ev.Start())
+        if self.replay is not None:
+            await self._resume(self.replay)
+        else:
+            if self.journal is not None:
+                self.journal.write("config", config=self.cfg.as_dict())
+            self._handle(ev.Start())
         poller = asyncio.ensure_future(self._poll_buffers())
         try:
             while self.sched.steps_done < steps:
@@ -209,6 +226,8 @@ class LiveOrchestrator:
         return self.summary()
 
     def _handle(self, event: ev.Event) -> None:
+        if self.journal is not None:
+            self.journal.event(self.now(), event)
         commands = self.sched.handle(event, self.now())
         self._log("event", event)
         for cmd in commands:
@@ -223,6 +242,199 @@ class LiveOrchestrator:
                 low = st.packing.poll_low()
                 if low is not None:
                     self._emit(low)
+
+    # ------------------------------------------------------------------ resume
+
+    async def _resume(self, replay: Replay) -> None:
+        """Rebuild the scheduler and the data plane from the journal, then redo exactly what was
+        in flight at the crash (see module doc of ``journal``):
+
+        - executions that were running are started again from scratch under the same id (the
+          scheduler counted them launched once and will count them finished once);
+        - executions that had ended but whose evaluation had not answered are evaluated again
+          against their preserved workspace;
+        - an unfinished training step is re-run from the last checkpoint on the same groups
+          (its partial update died with the ranks, so nothing is trained twice);
+        - an unfinished publication, role switch or cancellation is carried out again.
+        """
+        self._t0 = self.clock() - replay.last_time
+        launched: dict[int, ev.Launch] = {}
+        ended: set[int] = set()
+        cancels: set[int] = set()
+        pending_role: dict[int, Role] = {}
+        role = ["rollout"] * len(self.cells)
+        steps: dict[int, dict[str, Any]] = {}
+        done_steps: set[int] = set()
+        publish_pending: int | None = None
+        evaluated: set[int] = set()
+
+        def effects(cmd: ev.Command, t: float) -> None:
+            nonlocal publish_pending
+            if isinstance(cmd, ev.DispatchGroup):
+                self._dispatch(cmd)
+            elif isinstance(cmd, ev.Launch):
+                launched[cmd.execution_id] = cmd
+                ex = self._execs[cmd.execution_id]
+                ex.engine, ex.launched_at, ex.fate = cmd.engine, t, "running"
+                self.ledger.register(cmd.execution_id, t + self.cfg.harness.overall_budget_s)
+            elif isinstance(cmd, ev.Cancel):
+                self._execs[cmd.execution_id].fate = "cancelled"
+                cancels.add(cmd.execution_id)
+            elif isinstance(cmd, ev.Reroute):
+                self._execs[cmd.execution_id].engine = cmd.destination
+            elif isinstance(cmd, ev.CellToTraining):
+                pending_role[cmd.cell] = Role.TRAINING
+            elif isinstance(cmd, ev.CellToRollout):
+                pending_role[cmd.cell] = Role.ROLLOUT
+            elif isinstance(cmd, ev.StartStep):
+                steps[cmd.step] = {"cells": list(cmd.cells), "groups": [], "staleness": [], "closed": False}
+            elif isinstance(cmd, ev.JoinStep):
+                steps[cmd.step]["cells"].append(cmd.cell)
+            elif isinstance(cmd, ev.AssignGroup):
+                steps[cmd.step]["groups"].append(cmd.group_id)
+                steps[cmd.step]["staleness"].append(cmd.staleness)
+                self.staleness.append(cmd.staleness)
+                self._account_group(cmd.group_id, "trained")
+            elif isinstance(cmd, ev.CloseStream):
+                steps[cmd.step]["closed"] = True
+            elif isinstance(cmd, ev.Publish):
+                publish_pending = cmd.version
+            elif isinstance(cmd, ev.GroupDropped):
+                self._account_group(cmd.group_id, "dropped")
+
+        for rec in replay.order:
+            kind = rec["kind"]
+            if kind == "event":
+                t = float(rec["t"])
+                event = event_from_json(rec["event"])
+                if isinstance(event, ev.ExecutionEnded):
+                    eid = event.execution_id
+                    ended.add(eid)
+                    cancels.discard(eid)
+                    ex = self._execs[eid]
+                    ex.outcome = event.outcome
+                    if ex.fate == "running":
+                        ex.fate = "ended"
+                    if eid in self.ledger and self.ledger.state(eid) is EvalState.RUNNING:
+                        if event.outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
+                            self.ledger.terminated(eid, event.outcome, self._final_state(eid))
+                        elif event.outcome is not Outcome.FAILED:
+                            self.ledger.terminated(eid, event.outcome, None)
+                elif isinstance(event, ev.TransitionDone):
+                    role[event.cell] = event.role.value
+                    pending_role.pop(event.cell, None)
+                elif isinstance(event, ev.MicroStepsDone):
+                    done_steps.add(event.step)
+                    st = steps.pop(event.step, None)
+                    if st is not None:
+                        for g in st["groups"]:
+                            self.buffer.take(g)
+                        self.step_records.append({"step": event.step, "groups": st["groups"],
+                                                  "staleness": st["staleness"], "mean_reward": self._mean_reward(st["groups"]),
+                                                  "cells": sorted(set(st["cells"])), "replayed": True})
+                elif isinstance(event, ev.PublicationDone):
+                    if publish_pending == event.version:
+                        publish_pending = None
+                for cmd in self.sched.handle(event, t):
+                    effects(cmd, t)
+            elif kind in ("scored", "placeholder"):
+                eid = int(rec["execution_id"])
+                ex = self._execs[eid]
+                evaluated.add(eid)
+                running = self.ledger.state(eid) is EvalState.RUNNING  # its end is journalled next
+                if kind == "placeholder":
+                    ex.reward = 0.0
+                    if running:
+                        self.ledger.terminated(eid, Outcome.FAILED, None)
+                    self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id))
+                else:
+                    reward = float(rec["reward"])
+                    ex.reward = reward
+                    if running:
+                        self.ledger.terminated(eid, Outcome.COMPLETED, self._final_state(eid))
+                    self.ledger.evaluate(eid, lambda st, r=reward: Assessment.valid(r, st), self.now())
+                    if not self.buffer.put(ScoredExecution(eid, ex.group_id, reward, tree_from_json(rec["tree"]),
+                                                           selected_from_json(rec["selected"]))):
+                        ex.fate = "surplus"
+            elif kind == "excluded":
+                eid = int(rec["execution_id"])
+                evaluated.add(eid)
+                self._execs[eid].fate = "excluded"
+                self.buffer.exclude(eid)
+        self.progress(f"resumed from the journal at t={replay.last_time:.1f} s: {self.sched.steps_done} steps done, "
+                      f"{len(launched) - len(ended)} execution(s) to restart")
+        if replay.published:
+            v = max(replay.published)
+            self.proxy.policy_version = v
+
+        # Bring the fresh cells to the roles the scheduler believes in, then redo what was in flight.
+        for cell, r in enumerate(role):
+            if r == "training":
+                await self._physical_to_training(cell)
+        for cell, target in sorted(pending_role.items()):
+            if target is Role.TRAINING:
+                self._spawn(self._to_training(cell), f"cell {cell} to training (resumed)")
+            else:
+                self._spawn(self._to_rollout(cell), f"cell {cell} to rollout (resumed)")
+        for step, st in sorted(steps.items()):
+            self._restart_step(step, st)
+        if publish_pending is not None:
+            self._spawn(self._publish(publish_pending), f"publication of version {publish_pending} (resumed)")
+        for eid, cmd in launched.items():
+            if eid not in ended and eid not in cancels:
+                self._spawn(self._launch(cmd, relaunch=True), f"relaunch of execution {eid}")
+        for eid in cancels:
+            self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
+        for eid in ended:
+            ex = self._execs[eid]
+            if eid not in evaluated and ex.outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
+                ex.spec = self._spec_for(eid)
+                self._spawn(self._evaluate(eid), f"evaluation of execution {eid} (resumed)")
+
+    def _final_state(self, eid: int) -> StateRef:
+        return StateRef(artifact_version="final", branch=str(self.out_dir / "executions" / f"e{eid:05d}"))
+
+    def _mean_reward(self, groups: Sequence[int]) -> float | None:
+        rs = [x.reward for g in groups for x in (self._execs[e] for e in self._group_members(g)) if x.reward is not None]
+        return round(sum(rs) / len(rs), 4) if rs else None
+
+    def _spec_for(self, eid: int) -> ExecutionSpec:
+        ex = self._execs[eid]
+        inst = self._groups[ex.group_id]["instance"]
+        return ExecutionSpec(
+            execution_id=eid, workdir=str(self.out_dir / "executions" / f"e{eid:05d}"), proxy_base_url=self.proxy_url,
+            api_key="", harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
+            harness=self.cfg.harness.kind, task=inst.prompt, extra=dict(inst.as_extra(), model=self.cfg.model.name))
+
+    async def _physical_to_training(self, cell: int) -> None:
+        """A resumed cell the scheduler has in training: move the fresh cell there (no event)."""
+        c = self.cells[cell]
+        self._engine_role[cell] = "training"
+        self.proxy.reroute(c.engine_url, [x.engine_url for x in self.cells if self._engine_role[x.index] == "rollout"])
+        ato = getattr(c.serving, "ato_training", None)
+        phases = list(await ato(lambda rids: None)) if ato is not None else list(
+            await asyncio.to_thread(c.serving.to_training, lambda rids: None))
+        phases += await self._cell_call(cell, c.training.enter_training)
+        self._record_phases(cell, "to_training", phases)
+        self._set_role(cell, "training")
+
+    def _restart_step(self, step: int, st: dict[str, Any]) -> None:
+        """Re-run an interrupted step from the last checkpoint on the groups it had been given."""
+        self._start_step(ev.StartStep(step, tuple(c for c in st["cells"] if c == 0) or (0,)))
+        live = self._steps[step]
+        for cell in st["cells"]:
+            if cell != 0:
+                live.cells.append(cell)
+                self._spawn(self._cell_call(cell, self.cells[cell].training.join_step, step),
+                            f"cell {cell} rejoining step {step}")
+        for g, stale in zip(st["groups"], st["staleness"]):
+            live.packing.assign(g)
+            live.groups.append(g)
+            live.staleness.append(stale)
+        if st["closed"]:
+            live.packing.close()
+            live.closing = True
+            self._spawn(self._finish_step(live), f"training step {step} (resumed)")
 
     # ------------------------------------------------------------------ commands
 
@@ -280,12 +492,14 @@ class LiveOrchestrator:
         for eid in cmd.execution_ids:
             self._execs[eid] = _Execution(cmd.group_id)
 
-    async def _launch(self, cmd: ev.Launch) -> None:
+    async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
         ex = self._execs[cmd.execution_id]
         inst = self._groups[cmd.group_id]["instance"]
         eid, key = self.proxy.create_execution(cmd.execution_id, metadata={"group": cmd.group_id})
         self.proxy.router.pin(eid, self._engine_url(cmd.engine))
         workdir = self.out_dir / "executions" / f"e{eid:05d}"
+        if relaunch and workdir.exists():  # a crashed attempt: keep it for inspection, start clean
+            workdir.rename(workdir.with_name(f"{workdir.name}.crashed-{int(time.time())}"))
         extra: dict[str, Any] = dict(inst.as_extra(), model=self.cfg.model.name)
         if self.cfg.harness.kind == "command":
             extra["command"] = list(self.cfg.harness.command)
@@ -297,12 +511,15 @@ class LiveOrchestrator:
             harness=self.cfg.harness.kind, task=inst.prompt, extra=extra,
         )
         ex.spec, ex.engine, ex.launched_at, ex.fate = spec, cmd.engine, self.now(), "running"
-        self.ledger.register(eid, self.now() + spec.overall_budget_s)
+        if relaunch:
+            self.ledger.relaunch(eid, self.now() + spec.overall_budget_s)
+        else:
+            self.ledger.register(eid, self.now() + spec.overall_budget_s)
         handle = self.pm.hook.gyre_launch_harness(spec=spec)
         if handle is None:
             raise RunFailed(f"no plugin launches harness {spec.harness!r}")
         ex.handle = handle
-        code = await asyncio.to_thread(handle.wait, spec.harness_timeout_s)
+        code = await asyncio.get_running_loop().run_in_executor(self._blocking, handle.wait, spec.harness_timeout_s)
         if ex.fate in ("cancelled", "stopped"):
             return  # its cancellation (or the run's end) already ended it
         if code is None:
@@ -317,10 +534,12 @@ class LiveOrchestrator:
         ex.outcome, ex.fate = outcome, "ended"
         self.proxy.close_execution(eid)
         self._emit(ev.ExecutionEnded(eid, outcome))
-        state = StateRef(artifact_version="final", branch=str(ex.spec.workdir)) if ex.spec else None
+        state = self._final_state(eid)
         answer = self.ledger.terminated(eid, outcome, state if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT) else None)
         if answer is not None:  # a complete failure: zero-reward placeholder
             ex.reward = 0.0
+            if self.journal is not None:
+                self.journal.write("placeholder", execution_id=eid, group=ex.group_id)
             self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id))
             self._emit(answer)
             return
@@ -337,16 +556,15 @@ class LiveOrchestrator:
             return self.pm.hook.gyre_evaluate(spec=spec, state=state)
 
         while True:
-            try:
-                answer = await asyncio.wait_for(
-                    asyncio.to_thread(self.ledger.evaluate, eid, evaluator, self.now()), timeout)
-            except asyncio.TimeoutError:  # a hung evaluator: unresolved, retried within the budget
-                answer = ev.EvaluationUnresolved(eid, final=self.now() >= self.ledger._entry(eid).deadline)
+            answer = await self._assess_once(eid, evaluator, timeout)
             if isinstance(answer, ev.EvaluationValid):
                 reward = self.ledger.reward(eid)
                 ex.reward = reward
                 tree = self.proxy.records(eid).tree
                 selected = self.proxy.selected(eid, self.cfg.dataplane.j_max, self.cfg.run.seed * 7919 + eid)
+                if self.journal is not None:
+                    self.journal.write("scored", execution_id=eid, group=ex.group_id, reward=reward,
+                                       tree=tree_to_json(tree), selected=selected_to_json(selected))
                 used = self.buffer.put(ScoredExecution(eid, ex.group_id, reward, tree, selected))
                 if not used:
                     ex.fate = "surplus"
@@ -354,13 +572,39 @@ class LiveOrchestrator:
                 return
             if answer.final:
                 ex.fate = "excluded"
+                if self.journal is not None:
+                    self.journal.write("excluded", execution_id=eid)
                 dropped = self.buffer.exclude(eid)
                 self._emit(answer)
                 if dropped is not None:
                     self._account_group(dropped.group_id, "dropped")
                 return
             self._emit(answer)
-            await asyncio.sleep(min(5.0, timeout))
+            await asyncio.sleep(max(0.0, min(5.0, timeout, self.ledger.deadline(eid) - self.now())))
+
+    async def _assess_once(self, eid: int, evaluator: Callable[[StateRef], Assessment | None],
+                           timeout: float) -> ev.EvaluationValid | ev.EvaluationUnresolved:
+        """One assessment attempt, bounded by ``timeout`` and by what is left of the budget.
+
+        Only the evaluator runs in a worker thread; the ledger is updated here, on the loop, so an
+        attempt that hangs past its bound and answers later changes nothing (its answer is
+        dropped) and can never race the retry. Unresolved once the budget is spent: excluded."""
+        state = self.ledger.retry_target(eid)
+        started, deadline = self.now(), self.ledger.deadline(eid)
+        bound = min(timeout, deadline - started)
+        if bound <= 0:
+            return self.ledger.evaluate(eid, evaluator, started)  # no attempt starts: excluded
+        try:
+            got: Assessment | None = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._blocking, evaluator, state), bound)
+        except asyncio.TimeoutError:  # a hung evaluator: unresolved, retried within the budget
+            got = Assessment.unresolved(state, f"evaluator gave no answer within {bound:.1f} s")
+        except Exception as exc:  # a crashing evaluator: unresolved, retried within the budget
+            got = Assessment.unresolved(state, f"evaluator raised {exc!r}")
+        answer = self.ledger.evaluate(eid, lambda s: got, started)
+        if isinstance(answer, ev.EvaluationUnresolved) and not answer.final and self.now() >= deadline:
+            answer = self.ledger.evaluate(eid, evaluator, self.now())  # budget spent: excluded
+        return answer
 
     def _cancel(self, eid: int) -> None:
         ex = self._execs[eid]
@@ -390,6 +634,8 @@ class LiveOrchestrator:
                                    "total_s": round(sum(p.duration for p in phases), 4)})
 
     async def _to_training(self, cell: int) -> None:
+        if self.watchdog is not None:  # an engine being restarted switches once it is back
+            await self.watchdog.ready(cell)
         c = self.cells[cell]
         url = c.engine_url
         self._engine_role[cell] = "training"
@@ -440,6 +686,12 @@ class LiveOrchestrator:
         # Wait for every cell that trained in the step; the core last (it applies the update).
         for cell in sorted(st.cells, reverse=True):
             await self._cell_call(cell, self.cells[cell].training.close_stream, st.step)
+        save = getattr(self.cells[0].training, "save_checkpoint", None)
+        if save is not None and self.journal is not None:
+            path = str(self.out_dir / "checkpoints" / f"step{st.step}")
+            (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            await self._cell_call(0, save, path)
+            self.journal.write("checkpoint", step=st.step, path=path)
         rewards = [self._execs[e].reward for g in st.groups for e in self._group_members(g)
                    if self._execs[e].reward is not None and self._execs[e].fate == "trained"]
         rec = {"step": st.step, "groups": list(st.groups), "staleness": list(st.staleness),
@@ -461,12 +713,21 @@ class LiveOrchestrator:
         self.weights = ref
         for c in self.cells:
             if self._engine_role[c.index] == "rollout":
+                if self.watchdog is not None and self.watchdog.down(c.index):
+                    continue  # being restarted by the watchdog: it comes back on self.weights
+                url = c.engine_url
                 aload = getattr(c.serving, "aload_weights", None)
-                if aload is not None:
-                    await aload(ref)
-                else:
-                    await asyncio.to_thread(c.serving.load_weights, ref)
+                try:
+                    if aload is not None:
+                        await aload(ref)
+                    else:
+                        await asyncio.to_thread(c.serving.load_weights, ref)
+                except Exception:  # an engine that died meanwhile is the watchdog's to restart
+                    if self.watchdog is None or not await self.watchdog.took_over(c.index, url):
+                        raise
         self.proxy.policy_version = version
+        if self.journal is not None:
+            self.journal.write("published", version=version, location=ref.location)
         self.progress(f"published policy version {version}")
         self._emit(ev.PublicationDone(version))
 
@@ -481,6 +742,7 @@ class LiveOrchestrator:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._blocking.shutdown(wait=False)  # idle by now, but for a hung evaluator ending on its own
 
     # ------------------------------------------------------------------ summary
 

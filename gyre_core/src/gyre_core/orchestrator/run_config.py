@@ -33,7 +33,8 @@ class RunSection:
     steps: int = 3
     """Training steps to run (policy versions produced)."""
     seed: int = 0
-    out_dir: str = "runs/embedded"
+    out_dir: str = ""
+    """Where the run writes its journal and outputs; empty: a new runs/run-<time>/ folder."""
     resume: bool = False
     """Continue the run journalled in ``out_dir`` instead of starting a new one."""
     max_wall_s: float = 1800.0
@@ -131,6 +132,8 @@ class RunConfig:
 
         need(self.run.steps >= 1, "run.steps", "must be ≥ 1")
         need(self.run.max_wall_s > 0, "run.max_wall_s", "must be > 0")
+        need(not self.run.resume or bool(self.run.out_dir), "run.out_dir",
+             "--resume needs the output folder of the run to continue (--out)")
         need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
         need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",
