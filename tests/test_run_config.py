@@ -1,0 +1,68 @@
+"""The live run's configuration: validated up front, every error names ``section.key``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gyre_core.config import ConfigError
+from gyre_core.orchestrator.run_config import load_run_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def test_defaults_are_the_embedded_job() -> None:
+    cfg = load_run_config()
+    assert (cfg.scheduler.cells, cfg.scheduler.group_size, cfg.scheduler.groups_per_step) == (2, 4, 2)
+    assert cfg.run.steps == 3 and cfg.harness.kind == "number-guess" and cfg.proxy.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_documented_presets_validate(path: Path) -> None:
+    load_run_config(path)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text("[scheduler]\ncells = 3\n[run]\nsteps = 5\n")
+    cfg = load_run_config(f, {"run.steps": "7", "sampling.temperature": "0.5", "serving.extra_args": '["--tp", "2"]'})
+    assert cfg.scheduler.cells == 3 and cfg.run.steps == 7
+    assert cfg.sampling.temperature == 0.5 and cfg.serving.extra_args == ["--tp", "2"]
+
+
+@pytest.mark.parametrize("overrides, where", [
+    ({"run.stepz": "1"}, "run.stepz"),
+    ({"scheduler.cels": "2"}, "scheduler.cels"),
+    ({"bogus.key": "1"}, "[bogus]"),
+    ({"harness.kind": '"nope"'}, "harness.kind"),
+    ({"run.steps": "0"}, "run.steps"),
+    ({"run.steps": '"three"'}, "run.steps"),
+    ({"scheduler.rho_min": "2"}, "scheduler"),
+    ({"harness.timeout_s": "500", "harness.overall_budget_s": "100"}, "harness.timeout_s"),
+    ({"harness.kind": '"command"'}, "harness.command"),
+    ({"run.resume": "true"}, "run.out_dir"),
+    ({"proxy.port": "70000"}, "proxy.port"),
+    ({"sampling.temperature": "-1"}, "sampling.temperature"),
+])
+def test_bad_values_name_their_key(overrides: dict, where: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, overrides)
+    assert where in str(e.value)
+
+
+def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file"):
+        load_run_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[scheduler\ncells = 2\n")
+    with pytest.raises(ConfigError, match="config file"):
+        load_run_config(bad)
+
+
+def test_cli_refuses_bad_config_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gyre_core.cli import main
+
+    assert main(["run", "--out", str(tmp_path / "x"), "--set", "scheduler.cells=0"]) == 2
+    assert "scheduler" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
