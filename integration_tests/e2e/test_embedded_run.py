@@ -50,7 +50,7 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
         next(s for s in switches if s["transition"] == "to_training")["phases"])
 
     assert (out / "checkpoint" / "model.safetensors").stat().st_size > 0
-    assert (out / "role_timeline.svg").read_text().startswith("<svg")
+    assert "<svg" in (out / "role_timeline.svg").read_text()
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert sum(1 for e in events if e.get("event") == "MicroStepsDone") == 3
     assert summary["policy_version"] == 3

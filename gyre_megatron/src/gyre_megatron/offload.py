@@ -60,6 +60,18 @@ class Offloader:
         self.offloaded = True
         return released
 
+    def host_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or while offloaded a CPU tensor over its host copy (same dtype, offset,
+        size, stride): reading an offloaded parameter without bringing it back to the device.
+        Colocate's core publishes after its burst, when the whole pool has left training."""
+        if not self.offloaded:
+            return t
+        key = t.untyped_storage()._cdata  # resized storages keep their identity, not their pointer
+        for st, h in zip(self.storages, self.host):
+            if st._cdata == key:
+                return torch.empty(0, dtype=t.dtype).set_(h.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        raise KeyError("tensor is not part of the offloaded state")
+
     def restore(self) -> int:
         if not self.offloaded:
             return 0

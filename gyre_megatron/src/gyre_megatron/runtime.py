@@ -192,7 +192,7 @@ class CellRank(RankChecks):
             return {}
         import os
 
-        state = {"params": [p.detach().clone() for p in self.params],
+        state = {"params": [self.offloader.host_view(p).detach().clone() for p in self.params],
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "version": self.version}
         final = f"{path}.stage{self.stage}"

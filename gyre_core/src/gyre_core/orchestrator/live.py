@@ -294,7 +294,7 @@ class LiveOrchestrator:
                 steps[cmd.step]["groups"].append(cmd.group_id)
                 steps[cmd.step]["staleness"].append(cmd.staleness)
                 self.staleness.append(cmd.staleness)
-                self._account_group(cmd.group_id, "trained")
+                self._account_group(cmd.group_id, "assigned")
             elif isinstance(cmd, ev.CloseStream):
                 steps[cmd.step]["closed"] = True
             elif isinstance(cmd, ev.Publish):
@@ -329,6 +329,7 @@ class LiveOrchestrator:
                     if st is not None:
                         for g in st["groups"]:
                             self.buffer.take(g)
+                            self._account_group(g, "trained", from_fates=("assigned",))
                         self.step_records.append({"step": event.step, "groups": st["groups"],
                                                   "staleness": st["staleness"], "mean_reward": self._mean_reward(st["groups"]),
                                                   "cells": sorted(set(st["cells"])), "replayed": True})
@@ -462,7 +463,7 @@ class LiveOrchestrator:
                         f"cell {cmd.cell} joining step {cmd.step}")
         elif isinstance(cmd, ev.AssignGroup):
             st = self._steps[cmd.step]
-            self._account_group(cmd.group_id, "trained")
+            self._account_group(cmd.group_id, "assigned")
             st.packing.assign(cmd.group_id)
             st.groups.append(cmd.group_id)
             st.staleness.append(cmd.staleness)
@@ -614,9 +615,11 @@ class LiveOrchestrator:
             self.proxy.close_execution(eid)
         self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
 
-    def _account_group(self, gid: int, fate: str) -> None:
+    def _account_group(self, gid: int, fate: str, from_fates: tuple[str, ...] = ("ended",)) -> None:
+        """Move a group's executions from ``from_fates`` to ``fate`` (``trained`` only once the
+        step that consumed them has applied its update)."""
         for ex in self._execs.values():
-            if ex.group_id == gid and ex.fate in ("ended",):
+            if ex.group_id == gid and ex.fate in from_fates:
                 ex.fate = fate
 
     # -- cells ----------------------------------------------------------------------------------
@@ -692,6 +695,8 @@ class LiveOrchestrator:
             (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             await self._cell_call(0, save, path)
             self.journal.write("checkpoint", step=st.step, path=path)
+        for g in st.groups:
+            self._account_group(g, "trained", from_fates=("assigned",))
         rewards = [self._execs[e].reward for g in st.groups for e in self._group_members(g)
                    if self._execs[e].reward is not None and self._execs[e].fate == "trained"]
         rec = {"step": st.step, "groups": list(st.groups), "staleness": list(st.staleness),
@@ -738,6 +743,17 @@ class LiveOrchestrator:
             if ex.fate == "running" and ex.handle is not None:
                 ex.fate = "stopped"
                 await asyncio.to_thread(ex.handle.kill)
+        # Events that happened but were not fed yet (an execution that ended as the last step
+        # closed) still count: feed them and journal them; their commands are not carried out
+        # now -- a later --resume finds them outstanding and carries them out then.
+        while not self._events.empty():
+            event = self._events.get_nowait()
+            if isinstance(event, ev.Tick):
+                continue
+            if self.journal is not None:
+                self.journal.event(self.now(), event)
+            for cmd in self.sched.handle(event, self.now()):
+                self._log("command", cmd)
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -754,7 +770,8 @@ class LiveOrchestrator:
         return {"dispatched": snap.dispatched, "launched": snap.launched, "finished": snap.finished,
                 "trained": fates["trained"], "excluded": fates["excluded"], "dropped": fates["dropped"],
                 "surplus": fates["surplus"], "cancelled": fates["cancelled"],
-                "waiting": fates["ended"], "running": fates["running"], "stopped": fates["stopped"]}
+                "waiting": fates["ended"] + fates["assigned"], "running": fates["running"],
+                "stopped": fates["stopped"]}
 
     def summary(self) -> dict[str, Any]:
         st = self.staleness

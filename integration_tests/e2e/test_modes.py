@@ -1,0 +1,117 @@
+"""The two baselines run live: Async and Colocate through ``gyre-orchestrate run``.
+
+Same real parts as the embedded Gyre run (Megatron ranks over gloo, two SGLang CPU engines, the
+TITO proxy, harness processes). What each mode must show on the wire, per the scheduler
+(DESIGN.md §4):
+
+* Async: cell 0 is the fixed training pool from the start (one switch to training, never back),
+  cell 1 only serves; μ = 1, so every step publishes, and step s only consumes groups admitted at
+  versions ≤ s (0 ≤ staleness ≤ s; the first step's are all 0).
+* Colocate: the whole pool trains; a burst starts only once every admitted execution has finished
+  (nothing runs while cells train), every cell switches to training and back, and the core
+  publishes after the pool left training (its state offloaded); staleness within 0..μ−1.
+
+Both: every finished execution is accounted for (trained, dropped, surplus, excluded, waiting,
+cancelled) and each step trains N·B executions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(600)]
+pytest.importorskip("sglang")
+pytest.importorskip("megatron.core")
+
+N, B, STEPS = 4, 2, 2
+
+
+def _run(out: Path, mode: str, phi: float, mu: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    args = ["--set", f"scheduler.mode={mode}", "--set", f"scheduler.extra_dispatch={phi}",
+            "--set", f"scheduler.steps_per_burst={mu}", "--set", f"scheduler.group_size={N}",
+            "--set", f"scheduler.groups_per_step={B}", "--set", "run.max_wall_s=420.0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--steps", str(STEPS), "--json-summary", *args],
+        capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return summary, events
+
+
+def _check_accounting(summary: dict[str, Any]) -> None:
+    ex = summary["executions"]
+    assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0
+    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    assert accounted == ex["finished"], ex
+    assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
+    assert ex["trained"] == STEPS * B * N, ex
+    assert summary["steps"] == STEPS and len(summary["step_records"]) == STEPS
+    for rec in summary["step_records"]:
+        assert len(rec["groups"]) == B and rec["executions"] == B * N, rec
+
+
+def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
+    phi, mu = 1.0, 1  # solve_burst("async", 1.0)
+    summary, events = _run(tmp_path / "async", "async", phi, mu)
+    assert summary["mode"] == "async"
+    _check_accounting(summary)
+
+    # the training pool (cell 0) switches once, at the start; cell 1 never switches
+    switches = summary["role_switches"]
+    assert [(s["cell"], s["transition"]) for s in switches] == [(0, "to_training")], switches
+    assert all(rec["cells"] == [0] for rec in summary["step_records"])
+    assert not any(e.get("command") in ("CellToRollout", "JoinStep") for e in events)
+    # boundary dispatch: Q_b = (φ + μ)·B groups at start, then one publication per step
+    first_pub = next(i for i, e in enumerate(events) if e.get("event") == "PublicationDone")
+    assert sum(1 for e in events[:first_pub] if e.get("command") == "DispatchGroup") == int((phi + mu) * B)
+    assert [e["version"] for e in events if e.get("command") == "Publish"][:1] == [1]
+    # staleness: step s consumes groups admitted at versions 0..s
+    for rec in summary["step_records"]:
+        assert all(0 <= d <= rec["step"] for d in rec["staleness"]), rec
+    assert summary["step_records"][0]["staleness"] == [0] * B
+    assert 0.0 <= summary["mean_staleness"] <= phi + (mu - 1) / 2 + 0.5
+
+
+def test_colocate_trains_the_whole_pool_in_bursts(tmp_path: Path) -> None:
+    phi, mu = 0.0, 1  # solve_burst("colocate", 0.0): two bursts, so the publication runs in between
+    summary, events = _run(tmp_path / "colocate", "colocate", phi, mu)
+    assert summary["mode"] == "colocate"
+    _check_accounting(summary)
+
+    # every cell trains in every step, and switches both ways
+    assert all(rec["cells"] == [0, 1] for rec in summary["step_records"])
+    switches = summary["role_switches"]
+    for cell in (0, 1):
+        mine = [s["transition"] for s in switches if s["cell"] == cell]
+        assert mine.count("to_training") == STEPS // mu, (cell, mine)
+        assert mine.count("to_rollout") >= STEPS // mu - 1, (cell, mine)
+        assert mine[0] == "to_training"
+    # a burst starts only once every admitted execution finished (w = 0): nothing runs in training
+    first = next(i for i, e in enumerate(events) if e.get("command") == "CellToTraining")
+    launched = sum(1 for e in events[:first] if e.get("command") == "Launch")
+    ended = sum(1 for e in events[:first] if e.get("event") == "ExecutionEnded")
+    assert launched == ended == (phi + mu) * B * N
+    away: set[int] = set()  # cells not (yet back) in rollout
+    for e in events:
+        if e.get("command") == "CellToTraining":
+            away.add(e["cell"])
+        elif e.get("event") == "TransitionDone" and e.get("role") == "rollout":
+            away.discard(e["cell"])
+        elif e.get("command") == "Launch":
+            assert not away, e
+    # the core published from its offloaded state after the pool left training
+    pubs = [e for e in events if e.get("event") == "PublicationDone"]
+    assert [e["version"] for e in pubs] == list(range(mu, STEPS, mu))
+    assert summary["policy_version"] == pubs[-1]["version"]
+    for rec in summary["step_records"]:
+        assert all(0 <= d <= mu - 1 for d in rec["staleness"]), rec
+    assert summary["mean_staleness"] == 0.0
