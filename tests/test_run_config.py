@@ -66,3 +66,26 @@ def test_cli_refuses_bad_config_before_anything_runs(tmp_path: Path, capsys: pyt
     assert main(["run", "--out", str(tmp_path / "x"), "--set", "scheduler.cells=0"]) == 2
     assert "scheduler" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_unknown_task_is_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gyre_core.cli import main
+
+    out = tmp_path / "x"
+    assert main(["run", "--out", str(out), "--set", 'task.name="no-such-task"',
+                 "--set", 'harness.kind="command"', "--set", 'harness.command=["true"]']) == 2
+    assert "task.name" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_built_in_task_instances_are_deterministic_per_group() -> None:
+    from gyre_core.orchestrator.embedded import _plugin_manager
+
+    pm = _plugin_manager()
+    a = pm.hook.gyre_task_instance(task="number-guess", group_id=3, seed=1, options={"turns": 2})
+    b = pm.hook.gyre_task_instance(task="number-guess", group_id=3, seed=1, options={"turns": 2})
+    c = pm.hook.gyre_task_instance(task="number-guess", group_id=4, seed=1, options={"turns": 2})
+    assert a.as_extra() == b.as_extra() and a.as_extra()["task"] == "number-guess"
+    assert a.as_extra()["turns"] == 2 and a.prompt == b.prompt
+    assert (a.secret, c.secret) != (None, None)
+    assert pm.hook.gyre_task_instance(task="other", group_id=0, seed=0, options={}) is None

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         RoleClass,
         ServingSide,
         StateRef,
+        TaskInstance,
         TrainingSide,
         TrajectoryLeaf,
     )
@@ -107,6 +108,19 @@ def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> EngineClien
 
     Return a :class:`gyre_core.interfaces.EngineClient`, or ``None`` if this plugin does not speak
     to that kind of engine.
+    """
+
+
+@hookspec(firstresult=True)
+def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> TaskInstance | None:
+    """The query of rollout group ``group_id`` of task ``task``. firstresult.
+
+    Called by the live orchestrator once per dispatched group (a short group's top-up reuses its
+    group's instance), and once before a run starts to check that some plugin provides ``task``.
+    Deterministic in ``(group_id, seed)``, so a resumed run gives every group the same query.
+    ``options`` is the run configuration's ``[task]`` section. Return a
+    :class:`gyre_core.interfaces.TaskInstance`, or ``None`` if this plugin does not provide
+    ``task``.
     """
 
 

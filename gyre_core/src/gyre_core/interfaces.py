@@ -28,6 +28,7 @@ __all__ = [
     "RoleClass",
     "ServingSide",
     "StateRef",
+    "TaskInstance",
     "TrainingSide",
     "TrajectoryLeaf",
     "Validity",
@@ -365,3 +366,18 @@ class EngineProcess(Protocol):
     def kill(self) -> None:
         """Kill it at once (fault injection, or a failed start)."""
         ...
+
+
+@runtime_checkable
+class TaskInstance(Protocol):
+    """The query of one rollout group: every execution of the group gets the same instance.
+
+    ``prompt`` is what the harness is asked; ``as_extra()`` is handed to the harness launcher and
+    the evaluator in ``ExecutionSpec.extra`` (it must name the task under ``"task"``, so the task's
+    own evaluator recognises its executions and the secret parts never reach the prompt).
+    """
+
+    @property
+    def prompt(self) -> str: ...
+
+    def as_extra(self) -> dict[str, Any]: ...

@@ -131,6 +131,10 @@ def run_live(
     ``on_started`` is called once everything runs, with ``{"orchestrator", "engines", "proxy",
     "proxy_url", "loop"}`` -- for tools and fault-injection tests that need to reach the parts."""
     say = progress or (lambda m: print(f"[gyre {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    pm = _plugin_manager(plugins)
+    if pm.hook.gyre_task_instance(task=cfg.task.name, group_id=0, seed=cfg.run.seed,
+                                  options=dataclasses.asdict(cfg.task)) is None:
+        raise ConfigError(f"task.name: no installed plugin provides task {cfg.task.name!r}")
     out = Path(cfg.run.out_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg.run.out_dir = str(out)
     journal_path = out / JOURNAL
@@ -142,7 +146,6 @@ def run_live(
     else:
         replay = None
     out.mkdir(parents=True, exist_ok=True)
-    pm = _plugin_manager(plugins)
     engines: list[Any] = []
     t0 = time.monotonic()
     try:

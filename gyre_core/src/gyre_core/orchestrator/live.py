@@ -44,7 +44,6 @@ from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome, Role
 from gyre_core.scheduler.state_machine import Scheduler
-from gyre_core.tasks.number_guess import make_instance
 
 __all__ = ["CellHandles", "LiveOrchestrator", "RunFailed"]
 
@@ -488,7 +487,10 @@ class LiveOrchestrator:
     def _dispatch(self, cmd: ev.DispatchGroup) -> None:
         self.buffer.dispatch(cmd)
         if cmd.refill_of is None:
-            inst = make_instance(cmd.group_id, self.cfg.run.seed, self.cfg.task.turns)
+            inst = self.pm.hook.gyre_task_instance(task=self.cfg.task.name, group_id=cmd.group_id,
+                                                   seed=self.cfg.run.seed, options=asdict(self.cfg.task))
+            if inst is None:
+                raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
             self._groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}
         for eid in cmd.execution_ids:
             self._execs[eid] = _Execution(cmd.group_id)

@@ -16,7 +16,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
@@ -60,6 +60,13 @@ def score_workspace(workdir: str | Path, secret: int, low: int = 0, high: int = 
         raise ValueError(f"final_guess must be an integer, got {guess!r}")
     g = min(max(guess, low), high)
     return 1.0 - abs(g - secret) / (high - low), f"guess {guess}, secret {secret}"
+
+
+@hookimpl
+def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> NumberGuessInstance | None:
+    if task != TASK_NAME:
+        return None
+    return make_instance(group_id, seed, int(options.get("turns", 3)))
 
 
 @hookimpl
