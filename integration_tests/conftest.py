@@ -3,7 +3,7 @@
 One tiny model and one SGLang server serve the whole session: an SGLang CPU server takes ~20 s to
 start, so tests that only *use* an engine share it (and must leave it as they found it: weights,
 pause state). Tests that kill, pause for long, or change the weights of a server start their own
-with :func:`start_sglang_server`.
+with :func:`gyre_sglang.testing.start_sglang_server`.
 """
 
 from __future__ import annotations
@@ -23,19 +23,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
-def start_sglang_server(model_dir: Path, log_dir: Path, name: str, **kwargs):
-    """Start a real SGLang server (CPU engine here) with Gyre's plugin; the caller stops it."""
-    pytest.importorskip("sglang")
-    from gyre_sglang.server import SGLangServer
-
-    server = SGLangServer(model_dir, log_path=log_dir / f"{name}.log", **kwargs)
-    server.start(timeout=300)
-    return server
-
-
 @pytest.fixture(scope="session")
 def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """The session's shared SGLang server (read-only use: do not change its weights or state)."""
+    pytest.importorskip("sglang")
+    from gyre_sglang.testing import start_sglang_server
+
     server = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("sglang-logs"), "shared")
     try:
         yield server

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from claude_cli import claude_env
-from conftest import MODEL, ServedProxy, text_regex, tool_call_regex
+from cc_proxy import MODEL, ServedProxy, text_regex, tool_call_regex
 
 pytestmark = [pytest.mark.claude_code, pytest.mark.sglang, pytest.mark.timeout(300)]
 

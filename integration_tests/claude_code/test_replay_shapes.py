@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import httpx
 import pytest
 
-from conftest import MODEL, ServedProxy, captured_requests, tool_call_regex
+from cc_proxy import MODEL, ServedProxy, captured_requests, tool_call_regex
 
 pytestmark = [pytest.mark.claude_code, pytest.mark.sglang, pytest.mark.timeout(300)]
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 pynvml = pytest.importorskip("pynvml")
 
-from conftest import start_sglang_server  # noqa: E402
+from gyre_sglang.testing import start_sglang_server  # noqa: E402
 
 
 def _used_bytes() -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import start_sglang_server
+from gyre_sglang.testing import start_sglang_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake, pytest.mark.timeout(400)]
 

@@ -9,7 +9,7 @@ import pytest
 
 from gyre_core.interfaces import EngineError, PhaseTiming, WeightsRef
 
-from conftest import start_sglang_server
+from gyre_sglang.testing import start_sglang_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(400)]
 

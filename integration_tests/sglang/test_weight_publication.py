@@ -39,7 +39,7 @@ SERVING_DTYPE = torch.float16
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from conftest import start_sglang_server
+    from gyre_sglang.testing import start_sglang_server
     from gyre_sglang.weight_publication import LOADER
 
     s = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("wp-logs"), "weight-publication",
