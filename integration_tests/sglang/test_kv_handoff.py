@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.mooncake, pytest.mark.timeout(400)
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-N = 32
+N = 384
+"""Long enough that the request is still decoding when the hand-off aborts it, even on an idle machine."""
 GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
 MOVE_AFTER = 3
 """Tokens the source must have streamed before the hand-off starts (so it is mid-generation)."""

@@ -442,6 +442,7 @@ class LiveOrchestrator:
         if isinstance(cmd, ev.DispatchGroup):
             self._dispatch(cmd)
         elif isinstance(cmd, ev.Launch):
+            self._execs[cmd.execution_id].fate = "launching"  # counted launched from now on
             self._spawn(self._launch(cmd), f"launch of execution {cmd.execution_id}")
         elif isinstance(cmd, ev.Cancel):
             self._cancel(cmd.execution_id)
@@ -497,6 +498,8 @@ class LiveOrchestrator:
 
     async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
         ex = self._execs[cmd.execution_id]
+        if not relaunch and ex.fate != "launching":
+            return  # cancelled (or the run ended) before its launch got to run
         inst = self._groups[cmd.group_id]["instance"]
         eid, key = self.proxy.create_execution(cmd.execution_id, metadata={"group": cmd.group_id})
         self.proxy.router.pin(eid, self._engine_url(cmd.engine))
@@ -739,15 +742,23 @@ class LiveOrchestrator:
         self._emit(ev.PublicationDone(version))
 
     async def shutdown(self) -> None:
-        """Stop what the run still has in flight: harnesses still running at the end are killed
-        (counted as ``stopped``: launched, never finished, never trained), then every task."""
+        """Stop what the run still has in flight, and account for it.
+
+        Harnesses still running (or about to start) are killed and counted as ``stopped``:
+        launched, never finished, never trained. Then every task is cancelled, and events that
+        happened but were not fed yet (an execution that ended as the last step closed) are fed
+        and journalled; their commands are not carried out now -- a later ``--resume`` finds them
+        outstanding and carries them out then.
+        """
         for ex in self._execs.values():
-            if ex.fate == "running" and ex.handle is not None:
+            if ex.fate in ("running", "launching"):
                 ex.fate = "stopped"
-                await asyncio.to_thread(ex.handle.kill)
-        # Events that happened but were not fed yet (an execution that ended as the last step
-        # closed) still count: feed them and journal them; their commands are not carried out
-        # now -- a later --resume finds them outstanding and carries them out then.
+                if ex.handle is not None:
+                    await asyncio.to_thread(ex.handle.kill)
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         while not self._events.empty():
             event = self._events.get_nowait()
             if isinstance(event, ev.Tick):
@@ -756,11 +767,7 @@ class LiveOrchestrator:
                 self.journal.event(self.now(), event)
             for cmd in self.sched.handle(event, self.now()):
                 self._log("command", cmd)
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._blocking.shutdown(wait=False)  # idle by now, but for a hung evaluator ending on its own
+        self._blocking.shutdown(wait=False)
 
     # ------------------------------------------------------------------ summary
 
