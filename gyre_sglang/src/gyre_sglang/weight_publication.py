@@ -165,7 +165,22 @@ class _Published:
     location: Location
 
 
-class WeightPublisher:
+class _MooncakeSide:
+    """One lazily created Mooncake engine (init takes milliseconds; many processes never need one)."""
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = _mooncake_host(host)
+        self._engine: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            self._engine = _new_engine(self.host)
+        return self._engine
+
+
+class WeightPublisher(_MooncakeSide):
     """Core side: one Mooncake engine; each :meth:`publish` fills a new registered buffer.
 
     A version's buffer stays registered (and readable by engines) until :meth:`release` is called
@@ -174,16 +189,8 @@ class WeightPublisher:
     """
 
     def __init__(self, host: str | None = None) -> None:
-        self.host = _mooncake_host(host)
-        self._engine: Any = None
+        super().__init__(host)
         self._published: dict[int, _Published] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def engine(self) -> Any:
-        if self._engine is None:
-            self._engine = _new_engine(self.host)
-        return self._engine
 
     @property
     def session(self) -> str:
@@ -304,20 +311,12 @@ def _parse_manifest(raw: bytes, loc: Location) -> list[ManifestEntry]:
     return entries
 
 
-class WeightPuller:
+class WeightPuller(_MooncakeSide):
     """Engine side: one Mooncake engine and one registered staging buffer, reused across pulls."""
 
     def __init__(self, host: str | None = None) -> None:
-        self.host = _mooncake_host(host)
-        self._engine: Any = None
+        super().__init__(host)
         self._staging: torch.Tensor | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def engine(self) -> Any:
-        if self._engine is None:
-            self._engine = _new_engine(self.host)
-        return self._engine
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:

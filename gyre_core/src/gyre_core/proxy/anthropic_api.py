@@ -48,6 +48,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Protocol
 
+from gyre_core.proxy.http_io import read_body, until_done_or_gone
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall
 
 if TYPE_CHECKING:
@@ -475,32 +476,6 @@ def _error_event(exc: BaseException) -> bytes:
     return encode_sse("error", error_body("engine", f"internal error ({type(exc).__name__})"))
 
 
-async def _read_body(request: "Request", max_bytes: int) -> bytes:
-    """The body, refused as soon as it is known to exceed ``max_bytes`` (never buffered whole)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ProxyError(413, "request_too_large", f"request body is {declared} bytes; the limit is {max_bytes}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ProxyError(413, "request_too_large", f"request body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _until_done_or_gone(request: "Request", task: asyncio.Future[Any], poll_s: float = 0.5) -> None:
-    """Wait for ``task``; cancel it if the client goes away (the core then aborts the engine call)."""
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=poll_s)
-        if done:
-            return
-        if await request.is_disconnected():
-            task.cancel()
-            raise asyncio.CancelledError("client disconnected")
-
-
 def make_router(
     service: CompletionService,
     *,
@@ -524,7 +499,7 @@ def make_router(
         try:
             headers = {k.lower(): v for k, v in request.headers.items()}
             execution_id = service.authenticate(credentials(headers))
-            body = parse_body(await _read_body(request, max_body_bytes), headers.get("content-type"), max_body_bytes)
+            body = parse_body(await read_body(request, max_body_bytes), headers.get("content-type"), max_body_bytes)
             chat = to_chat_request(body, execution_id=execution_id, headers=headers)
         except Exception as exc:  # noqa: BLE001 - every refusal is rendered in Anthropic's shape
             return _error_response(exc)
@@ -532,7 +507,7 @@ def make_router(
         task: asyncio.Future[ChatResponse] = asyncio.ensure_future(service.complete(chat))
         if not chat.stream:
             try:
-                await _until_done_or_gone(request, task)
+                await until_done_or_gone(request, task)
                 return JSONResponse(response_message(task.result(), chat.model))
             except asyncio.CancelledError:
                 task.cancel()

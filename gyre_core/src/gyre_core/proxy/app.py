@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from gyre_core.proxy.http_io import read_body
 from gyre_core.proxy.service import ProxyService
 from gyre_core.proxy.types import ProxyError
 from gyre_core.trajectory import TrajectoryRow
@@ -118,18 +119,9 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise ProxyError(415, "invalid_request", f"Content-Type must be application/json, got {ctype or 'none'!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ProxyError(413, "request_too_large", f"request body over {max_bytes} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ProxyError(413, "request_too_large", f"request body over {max_bytes} bytes")
-        chunks.append(chunk)
+    raw = await read_body(request, max_bytes)
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProxyError(400, "invalid_request", f"malformed JSON body: {exc}") from None
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gyre_core.proxy.app import (
     api_key_of, headers_of, openai_error, openai_error_body, read_json, register_error_renderer,
 )
+from gyre_core.proxy.http_io import until_done_or_gone
 from gyre_core.proxy.service import ProxyService
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall
 
@@ -162,17 +163,6 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _until_done_or_gone(http: Request, task: asyncio.Future[Any], poll_s: float = 0.5) -> None:
-    """Wait for ``task``; cancel it if the client goes away (the core aborts the engine call)."""
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=poll_s)
-        if done:
-            return
-        if await http.is_disconnected():
-            task.cancel()
-            raise asyncio.CancelledError("client disconnected")
-
-
 def _stream(service: ProxyService, request: ChatRequest, include_usage: bool) -> StreamingResponse:
     prepared = service.prepare(request)  # a 4xx raised here still gets its HTTP status
     created = int(time.time())
@@ -228,7 +218,7 @@ def openai_face(app: FastAPI, service: ProxyService) -> None:
         prepared = service.prepare(request)
         task = asyncio.ensure_future(service.execute(prepared))
         try:
-            await _until_done_or_gone(http, task)
+            await until_done_or_gone(http, task)
         except asyncio.CancelledError:
             return Response(status_code=499)
         return JSONResponse(response_to_openai(task.result(), int(time.time())))
