@@ -767,6 +767,10 @@ class LiveOrchestrator:
                 self.journal.event(self.now(), event)
             for cmd in self.sched.handle(event, self.now()):
                 self._log("command", cmd)
+                if isinstance(cmd, ev.DispatchGroup):  # bookkeeping only: nothing starts now
+                    self._dispatch(cmd)
+                elif isinstance(cmd, ev.Launch):  # counted launched, never started: stopped
+                    self._execs[cmd.execution_id].fate = "stopped"
         self._blocking.shutdown(wait=False)
 
     # ------------------------------------------------------------------ summary
