@@ -152,6 +152,7 @@ class LiveOrchestrator:
         self._failure: BaseException | None = None
         self._cell_locks = [asyncio.Lock() for _ in self.cells]
         self._engine_role = ["rollout"] * len(self.cells)
+        self._publishing: int | None = None
         # summary material
         self.role_intervals: list[tuple[int, str, float, float]] = []
         self._role_since = [(("rollout"), 0.0)] * len(self.cells)
@@ -205,7 +206,7 @@ class LiveOrchestrator:
             self._handle(ev.Start())
         poller = asyncio.ensure_future(self._poll_buffers())
         try:
-            while self.sched.steps_done < steps:
+            while self.sched.steps_done < steps or self._publishing is not None:  # end on a published policy
                 if self._failure is not None:
                     raise self._failure
                 if self.now() > deadline:
@@ -474,6 +475,7 @@ class LiveOrchestrator:
             st.closing = True
             self._spawn(self._finish_step(st), f"training step {cmd.step}")
         elif isinstance(cmd, ev.Publish):
+            self._publishing = cmd.version
             self._spawn(self._publish(cmd.version), f"publication of version {cmd.version}")
         elif isinstance(cmd, ev.GroupDropped):
             self._account_group(cmd.group_id, "dropped")
@@ -739,6 +741,7 @@ class LiveOrchestrator:
         if self.journal is not None:
             self.journal.write("published", version=version, location=ref.location)
         self.progress(f"published policy version {version}")
+        self._publishing = None
         self._emit(ev.PublicationDone(version))
 
     async def shutdown(self) -> None:
