@@ -44,6 +44,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"run.resume": "true"}, "run.out_dir"),
     ({"proxy.port": "70000"}, "proxy.port"),
     ({"sampling.temperature": "-1"}, "sampling.temperature"),
+    ({"watchdog.failures": "0"}, "watchdog.failures"),
+    ({"watchdog.health_timeout_s": "0"}, "watchdog.health_timeout_s"),
 ])
 def test_bad_values_name_their_key(overrides: dict, where: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -11,6 +11,7 @@ started, by pid, and the context manager guarantees it.
 from __future__ import annotations
 
 import itertools
+import pickle
 import os
 import queue as queue_mod
 import socket
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 from gyre_core.dataplane.microstep_queue import MicroStepQueue
 from gyre_megatron.runtime import RankOptions, worker_main
 
-__all__ = ["RankError", "World"]
+__all__ = ["ClusterWorld", "RankError", "RemoteEngine", "World"]
 
 
 class RankError(RuntimeError):
@@ -42,46 +43,37 @@ class Ticket:
     seq: int
 
 
-class World:
-    def __init__(self, opts: RankOptions, n_queues: int = 4, start_timeout_s: float = 120.0) -> None:
-        self.opts = opts
-        self.size = opts.cells * opts.pp
-        self.ctx = mp.get_context("spawn")
-        self.queues = [MicroStepQueue(self.ctx) for _ in range(n_queues)]
-        self._res = self.ctx.Queue()
-        self._cmd = [self.ctx.Queue() for _ in range(self.size)]
+class _Ranks:
+    """Commands to ranks and their answers, with timeouts; how ranks are reached is the subclass's."""
+
+    opts: RankOptions
+    size: int
+    info: list[Any]
+
+    def __init__(self) -> None:
         self._seq = itertools.count()
-        self._next_queue = 0
         self._answers: dict[tuple[int, int], tuple[bool, Any]] = {}
-        port = _free_port()
-        self.procs = [
-            self.ctx.Process(target=worker_main, args=(r, self.size, port, opts, self.queues, self._cmd[r], self._res),
-                             daemon=True, name=f"gyre-rank{r}")
-            for r in range(self.size)
-        ]
-        for p in self.procs:
-            p.start()
-        try:
-            self.info = self._collect(Ticket(tuple(range(self.size)), -1), start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
 
-    def alloc_queue(self) -> int:
-        """Index of a micro-step queue nobody used yet (one per step or redo)."""
-        i = self._next_queue
-        if i >= len(self.queues):
-            raise RuntimeError(f"all {len(self.queues)} micro-step queues used (raise max_steps)")
-        self._next_queue += 1
-        return i
+    # what a subclass provides
+    def _send(self, rank: int, message: tuple[Any, ...]) -> None:
+        raise NotImplementedError
 
+    def _receive(self, timeout: float) -> tuple[int, int, bool, Any]:
+        """The next answer; ``queue.Empty`` if none came within ``timeout``."""
+        raise NotImplementedError
+
+    def _dead(self, rank: int) -> str | None:
+        """Why ``rank`` is dead, or ``None`` while it lives."""
+        raise NotImplementedError
+
+    # shared
     def ranks_of(self, cell: int) -> tuple[int, ...]:
         return tuple(range(cell * self.opts.pp, (cell + 1) * self.opts.pp))
 
     def submit(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> Ticket:
         seq = next(self._seq)
         for r in ranks:
-            self._cmd[r].put((seq, method, args, kwargs))
+            self._send(r, (seq, method, args, kwargs))
         return Ticket(tuple(ranks), seq)
 
     def wait(self, ticket: Ticket, timeout: float = 120.0) -> list[Any]:
@@ -96,15 +88,16 @@ class World:
             failed = [r for r in ticket.ranks if not self._answers.get((r, ticket.seq), (True,))[0]]
             if failed:  # one rank raised: its peers may be blocked on it, do not wait for them
                 raise RankError("\n".join(f"rank {r}: {self._answers[(r, ticket.seq)][1]}" for r in failed))
-            dead = [r for r in ticket.ranks if not self.procs[r].is_alive() and (r, ticket.seq) not in self._answers]
+            dead = {r: why for r in ticket.ranks if (r, ticket.seq) not in self._answers
+                    and (why := self._dead(r)) is not None}
             if dead:
-                raise RankError(f"rank(s) {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})")
+                raise RankError(f"rank(s) {sorted(dead)} died ({'; '.join(dead.values())})")
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [r for r in ticket.ranks if (r, ticket.seq) not in self._answers]
                 raise RankError(f"no answer from rank(s) {missing} within {timeout} s")
             try:
-                r, seq, ok, payload = self._res.get(timeout=min(left, 0.5))
+                r, seq, ok, payload = self._receive(min(left, 0.5))
                 self._answers[(r, seq)] = (ok, payload)
             except queue_mod.Empty:
                 pass
@@ -116,6 +109,60 @@ class World:
         if errors:
             raise RankError("\n".join(errors))
         return out
+
+    def alloc_queue(self) -> int:
+        """Index of a micro-step queue nobody used yet (one per step or redo)."""
+        i = self._next_queue
+        if i >= len(self.queues):
+            raise RuntimeError(f"all {len(self.queues)} micro-step queues used (raise max_steps)")
+        self._next_queue += 1
+        return i
+
+    def __enter__(self) -> "_Ranks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+
+class World(_Ranks):
+    """The ranks of K cells, spawned by this process on this machine."""
+
+    def __init__(self, opts: RankOptions, n_queues: int = 4, start_timeout_s: float = 120.0) -> None:
+        super().__init__()
+        self.opts = opts
+        self.size = opts.cells * opts.pp
+        self.ctx = mp.get_context("spawn")
+        self.queues = [MicroStepQueue(self.ctx) for _ in range(n_queues)]
+        self._res = self.ctx.Queue()
+        self._cmd = [self.ctx.Queue() for _ in range(self.size)]
+        self._next_queue = 0
+        port = _free_port()
+        self.procs = [
+            self.ctx.Process(target=worker_main, args=(r, self.size, port, opts, self.queues, self._cmd[r], self._res),
+                             daemon=True, name=f"gyre-rank{r}")
+            for r in range(self.size)
+        ]
+        for p in self.procs:
+            p.start()
+        try:
+            self.info = self._collect(Ticket(tuple(range(self.size)), -1), start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, rank: int, message: tuple[Any, ...]) -> None:
+        self._cmd[rank].put(message)
+
+    def _receive(self, timeout: float) -> tuple[int, int, bool, Any]:
+        return self._res.get(timeout=timeout)  # type: ignore[no-any-return]
+
+    def _dead(self, rank: int) -> str | None:
+        p = self.procs[rank]
+        return None if p.is_alive() else f"rank {rank} exit code {p.exitcode}"
 
     def close(self, timeout: float = 10.0) -> None:
         for r, p in enumerate(self.procs):
@@ -132,8 +179,106 @@ class World:
                 os.kill(p.pid, 9)
                 p.join(5)
 
-    def __enter__(self) -> World:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+class _HubQueues:
+    """The orchestrator's micro-step queues of a cluster world (created on first use)."""
+
+    def __init__(self, server: Any, n: int) -> None:
+        self._server, self._n = server, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int) -> MicroStepQueue[Any]:
+        if not 0 <= index < self._n:
+            raise IndexError(index)
+        return self._server.hub.microstep_queue(index)
+
+
+class RemoteEngine:
+    """A cell's SGLang server that the cell's first rank started on its own node."""
+
+    def __init__(self, world: "ClusterWorld", rank: int, engine_id: int, url: str) -> None:
+        self.world, self.rank, self.engine_id, self.url = world, rank, engine_id, url
+
+    def stop(self) -> None:
+        self.world.engine_call(self.rank, "stop", self.engine_id)
+
+    def kill(self) -> None:
+        self.world.engine_call(self.rank, "kill", self.engine_id)
+
+
+class ClusterWorld(_Ranks):
+    """The ranks of K cells, started by a cluster launcher (``torchrun``) on any number of nodes.
+
+    The orchestrator serves the control plane (:mod:`gyre_megatron.control`) on ``(host, port)``
+    and waits up to ``join_timeout_s`` for ``cells × pp`` ranks to report in; each node runs::
+
+        GYRE_CONTROL=host:port GYRE_CONTROL_KEY_FILE=key torchrun --nnodes N --nproc-per-node G \\
+            --rdzv-backend c10d --rdzv-endpoint head:29400 -m gyre_megatron.worker
+
+    Global ranks are assigned node by node, so cell c (ranks ``c·pp … c·pp+pp−1``) lives on one
+    node when ``pp`` divides the ranks per node -- and its SGLang server is started there too
+    (:meth:`start_engine`), on the same devices.
+    """
+
+    def __init__(self, opts: RankOptions, n_queues: int, host: str, port: int, key_file: str,
+                 join_timeout_s: float = 600.0, dead_after_s: float = 15.0,
+                 announce: Any = None) -> None:
+        from gyre_megatron.control import ADDRESS_ENV, KEY_ENV, ControlServer, read_key
+
+        super().__init__()
+        self.opts = opts
+        self.size = opts.cells * opts.pp
+        self.dead_after_s = dead_after_s
+        self.server = ControlServer(self.size, opts, host, port, read_key(key_file))
+        self.queues = _HubQueues(self.server, n_queues)
+        self._next_queue = 0
+        h, p = self.server.address
+        self.command = (f"{ADDRESS_ENV}={h}:{p} {KEY_ENV}={key_file} torchrun --nnodes <nodes> "
+                        f"--nproc-per-node <{self.size} / nodes> --rdzv-backend c10d --rdzv-endpoint <head>:29400 "
+                        f"-m gyre_megatron.worker")
+        if announce is not None:
+            announce(f"waiting for {self.size} rank(s) to join; on each node run: {self.command}")
+        try:
+            self.info = self._collect(Ticket(tuple(range(self.size)), -1), join_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, rank: int, message: tuple[Any, ...]) -> None:
+        self.server.hub.cmd[rank].put(message)
+
+    def _receive(self, timeout: float) -> tuple[int, int, bool, Any]:
+        r, seq, ok, payload = self.server.hub.results.get(timeout=timeout)
+        if ok and isinstance(payload, bytes):
+            payload = pickle.loads(payload)  # ranks send answers pickled by value
+        return r, seq, ok, payload
+
+    def _dead(self, rank: int) -> str | None:
+        if rank not in self.server.joined():
+            return None  # not joined yet: the join timeout decides
+        if self.server.seen_within(rank, self.dead_after_s):
+            return None
+        return f"rank {rank} silent for {self.dead_after_s:.0f} s"
+
+    def engine_call(self, rank: int, op: str, *args: Any, timeout: float = 120.0) -> Any:
+        seq = next(self._seq)
+        self.server.hub.engine_cmd[rank].put((seq, op, args, {}))
+        return self._collect(Ticket((rank,), seq), timeout)[0]
+
+    def start_engine(self, cell: int, model_dir: str, options: dict[str, Any]) -> RemoteEngine:
+        """Start cell ``cell``'s SGLang server on the cell's node (by its first rank)."""
+        rank = self.ranks_of(cell)[0]
+        timeout = float(options.get("start_timeout_s", 300.0)) + 30.0
+        engine_id, url = self.engine_call(rank, "start", model_dir, options, timeout=timeout)
+        return RemoteEngine(self, rank, engine_id, url)
+
+    def close(self, timeout: float = 10.0) -> None:
+        for r in range(self.size):
+            self.server.hub.engine_cmd[r].put((-2, "exit", (), {}))
+            self.server.hub.cmd[r].put((-2, "exit", (), {}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(self.server.seen_within(r, 1.5) for r in self.server.joined()):
+            time.sleep(0.25)  # ranks stop beating as they exit
+        self.server.close()

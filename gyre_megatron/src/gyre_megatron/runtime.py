@@ -420,21 +420,30 @@ def _owned(obj: Any) -> Any:
 def worker_main(
     rank: int, world: int, port: int, opts: RankOptions, queues: Sequence[Any], cmd_q: Any, res_q: Any
 ) -> None:
-    """Entry point of a spawned rank: init gloo, build the rank, serve commands until ``exit``."""
-    import warnings
-
+    """Entry point of a rank the orchestrator spawned on its own machine."""
     from gyre_core.procutil import die_with_parent
 
     die_with_parent()  # an orchestrator killed outright must not leave ranks behind
+    serve_rank(rank, world, f"tcp://127.0.0.1:{port}", opts, queues, cmd_q, res_q)
+
+
+def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queues: Sequence[Any], cmd_q: Any,
+               res_q: Any, encode: Any = None) -> None:
+    """Init gloo, build the rank, serve commands from ``cmd_q`` until ``exit``.
+
+    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``; ``encode`` (if given) turns each
+    payload into what may cross the wire (a rank on another node pickles tensors by value)."""
+    import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     torch.set_num_threads(1)
+    enc = encode or (lambda x: x)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=opts.store_timeout_s))
         cr = CellRank(rank, world, opts, queues)
-        res_q.put((rank, -1, True, cr.ping()))
+        res_q.put((rank, -1, True, enc(cr.ping())))
     except BaseException:
         res_q.put((rank, -1, False, traceback.format_exc()))
         return
@@ -444,7 +453,7 @@ def worker_main(
             break
         try:
             out = getattr(cr, name)(*args, **kwargs)
-            res_q.put((rank, seq, True, out))
+            res_q.put((rank, seq, True, enc(out)))
         except BaseException as e:
             res_q.put((rank, seq, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     try:

@@ -1,8 +1,10 @@
 """The training side of a cell (:class:`gyre_core.interfaces.TrainingSide`) over megatron-core ranks.
 
 All K cells' ranks form one world (torch cannot grow a process group), so the first
-``gyre_make_training_side`` call of a run starts the whole world (:class:`~gyre_megatron.launch.World`)
-and every cell's side drives its own block of ranks through it. Methods that start work
+``gyre_make_training_side`` call of a run starts the whole world -- spawned here
+(:class:`~gyre_megatron.launch.World`, ``launcher = "local"``) or started by ``torchrun`` on the
+cluster's nodes (:class:`~gyre_megatron.launch.ClusterWorld`, ``launcher = "torchrun"``) -- and
+every cell's side drives its own block of ranks through it. Methods that start work
 (``start_step``, ``join_step``) return at once; ``close_stream`` waits for the cell's ranks, with
 a timeout, and raises :class:`~gyre_megatron.runtime.StepFailed` if the step could not complete.
 
@@ -31,7 +33,7 @@ def _world_for(options: Mapping[str, Any]) -> Any:
     from gyre_megatron.model import ModelSpec
     from gyre_megatron.runtime import RankOptions
 
-    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    key = tuple(sorted((k, repr(v)) for k, v in options.items() if k != "announce"))
     with _lock:
         if key not in _worlds:
             spec = ModelSpec(**dict(options.get("model", {})))
@@ -43,7 +45,20 @@ def _world_for(options: Mapping[str, Any]) -> Any:
                 heartbeat_s=float(options.get("heartbeat_s", 0.5)),
                 normalise_by_tokens=bool(options.get("normalise_by_tokens", True)),
             )
-            _worlds[key] = World(opts, n_queues=int(options.get("max_steps", 16)))
+            n_queues = int(options.get("max_steps", 16))
+            launcher = str(options.get("launcher", "local"))
+            if launcher == "local":
+                _worlds[key] = World(opts, n_queues=n_queues)
+            elif launcher == "torchrun":
+                from gyre_megatron.launch import ClusterWorld
+
+                _worlds[key] = ClusterWorld(
+                    opts, n_queues, str(options.get("control_host", "127.0.0.1")),
+                    int(options.get("control_port", 0)), str(options["key_file"]),
+                    join_timeout_s=float(options.get("join_timeout_s", 600.0)),
+                    announce=options.get("announce"))
+            else:
+                raise ValueError(f"launcher {launcher!r}: expected 'local' or 'torchrun'")
         return _worlds[key]
 
 
@@ -136,6 +151,14 @@ class MegatronTrainingSide:
             qi = _queue_of[(id(self.world), -1 - step)]
         ticket = self.world.submit(self.ranks, "resume_step", step, qi, self._final(step))
         return self.world.queues[qi], lambda: self.world.wait(ticket, self.timeout_s)
+
+    def start_engine(self, model_dir: str, options: Mapping[str, Any]) -> Any:
+        """Start this cell's SGLang server where the cell's ranks run (``launcher = "torchrun"``:
+        on the cell's node, by its first rank). Returns an engine with ``url``, ``stop``, ``kill``."""
+        start = getattr(self.world, "start_engine", None)
+        if start is None:
+            raise ValueError("start_engine is for ranks started by a cluster launcher; local runs start engines here")
+        return start(self.cell, model_dir, dict(options))
 
     def save_checkpoint(self, path: str) -> None:
         """Core only: persist the training state after a step (weights, optimizer, version)."""

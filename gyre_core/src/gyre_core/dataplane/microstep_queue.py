@@ -61,6 +61,12 @@ class MicroStepQueue(Generic[T]):
             self._cond.notify_all()
 
     def claim(self, timeout: float | None = None) -> T | None:
+        raw = self.claim_pickled(timeout)
+        return None if raw is None else pickle.loads(raw)
+
+    def claim_pickled(self, timeout: float | None = None) -> bytes | None:
+        """:meth:`claim`, the item still pickled: what a claimant on another node receives (a
+        tensor must travel by value, not as a handle to this machine's shared memory)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._claimed.value >= self._enqueued.value:
@@ -70,9 +76,9 @@ class MicroStepQueue(Generic[T]):
                 if remaining is not None and remaining <= 0:
                     raise queue.Empty
                 self._cond.wait(remaining)
-            item: T = pickle.loads(self._items.get())  # put before the count rose: it is in the pipe
+            raw: bytes = self._items.get()  # put before the count rose: it is in the pipe
             self._claimed.value += 1
-            return item
+            return raw
 
     def unclaimed(self) -> int:
         """Items enqueued and not yet claimed."""

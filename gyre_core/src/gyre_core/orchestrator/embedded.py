@@ -238,7 +238,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
-                                             say).attach(orch)
+                                             say, cfg).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
             if on_started is not None:
                 on_started({"orchestrator": orch, "engines": list(started), "proxy": service,
@@ -264,7 +264,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
 
 
 def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, engines: list[Any],
-                     started: Sequence[Any], version: int, say: Callable[[str], None]) -> EngineWatchdog:
+                     started: Sequence[Any], version: int, say: Callable[[str], None],
+                     cfg: RunConfig) -> EngineWatchdog:
     """The run's engine watchdog: a dead cell engine is killed for good and started again with
     the same options on ``model_dir`` (policy ``version``); the watchdog brings it up to date."""
     current = list(started)
@@ -293,7 +294,8 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, 
             return None
         return proc is not None and proc.poll() is None
 
-    return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say)
+    return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say,
+                          **dataclasses.asdict(cfg.watchdog))
 
 
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:

@@ -101,6 +101,21 @@ class ProxySection:
 
 
 @dataclass
+class WatchdogSection:
+    """The engine watchdog (:class:`~gyre_core.orchestrator.watchdog.EngineWatchdog`)."""
+
+    interval_s: float = 0.5
+    """How often each engine's process is checked."""
+    health_every_s: float = 5.0
+    """How often each serving engine answers a health check."""
+    health_timeout_s: float = 10.0
+    failures: int = 3
+    """Consecutive failed checks that mean an engine is dead (it is then restarted)."""
+    max_restarts: int = 2
+    """Restarts per cell; one more death fails the run (with its summary)."""
+
+
+@dataclass
 class SamplingSection:
     temperature: float = 1.0
     top_p: float = 1.0
@@ -124,6 +139,7 @@ class RunConfig:
     serving: ServingSection = field(default_factory=ServingSection)
     proxy: ProxySection = field(default_factory=ProxySection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
+    watchdog: WatchdogSection = field(default_factory=WatchdogSection)
 
     def validate(self) -> "RunConfig":
         def need(cond: bool, where: str, msg: str) -> None:
@@ -152,6 +168,11 @@ class RunConfig:
         need(self.model.max_seq_len >= self.dataplane.token_budget, "model.max_seq_len",
              "must be ≥ dataplane.token_budget (a micro-step row must fit the model)")
         need(self.scheduler.cells >= 1, "scheduler.cells", "must be ≥ 1")
+        w = self.watchdog
+        for name in ("interval_s", "health_every_s", "health_timeout_s"):
+            need(getattr(w, name) > 0, f"watchdog.{name}", "must be > 0")
+        need(w.failures >= 1, "watchdog.failures", "must be ≥ 1")
+        need(w.max_restarts >= 0, "watchdog.max_restarts", "must be ≥ 0")
         return self
 
     def as_dict(self) -> dict[str, Any]:

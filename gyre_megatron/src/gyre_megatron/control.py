@@ -1,0 +1,217 @@
+"""The control plane between the orchestrator and ranks that a cluster launcher started.
+
+On one machine the orchestrator spawns the ranks itself and talks to them through
+``multiprocessing`` queues (:class:`~gyre_megatron.launch.World`). On a cluster the ranks are
+started by the launcher the site already uses -- ``torchrun`` on every node -- and reach back to
+the orchestrator over TCP: :class:`ControlServer` runs in the orchestrator's process (a
+``multiprocessing.managers`` server in a thread, authenticated with a per-run key) and hosts the
+same objects the local world passes at spawn time: one command queue per rank, one queue for
+engine commands per rank, the result queue and the micro-step queues, which stay real
+:class:`~gyre_core.dataplane.microstep_queue.MicroStepQueue` objects in the orchestrator (ranks
+claim from them through proxies, so each micro-step is still handed out exactly once).
+
+Ranks beat every second; a rank that has not beaten for ``dead_after_s`` is dead to the
+orchestrator, and a rank that cannot beat (the orchestrator is gone) exits, so a killed
+orchestrator leaves no ranks (and, through them, no engines) behind on any node.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import secrets
+import threading
+import time
+from multiprocessing.managers import BaseManager, RemoteError
+from pathlib import Path
+from typing import Any
+
+from gyre_core.dataplane.microstep_queue import MicroStepQueue
+
+__all__ = ["ControlServer", "ControlClient", "read_key", "write_key"]
+
+KEY_ENV = "GYRE_CONTROL_KEY_FILE"
+ADDRESS_ENV = "GYRE_CONTROL"
+
+
+def write_key(path: str | Path) -> bytes:
+    """A fresh per-run key in ``path`` (mode 0600): only who can read it can drive the ranks."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(32)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return key.encode()
+
+
+def read_key(path: str | Path) -> bytes:
+    key = Path(path).read_text().strip()
+    if len(key) < 32:
+        raise ValueError(f"control key in {path} is too short")
+    return key.encode()
+
+
+class _Hub:
+    """What the server hosts; every method runs in the orchestrator's process."""
+
+    def __init__(self, size: int, opts: Any) -> None:
+        self.size = size
+        self.opts = opts
+        self.cmd = [queue.Queue() for _ in range(size)]  # type: ignore[var-annotated]
+        self.engine_cmd = [queue.Queue() for _ in range(size)]  # type: ignore[var-annotated]
+        self.results: queue.Queue[Any] = queue.Queue()
+        self.microsteps: dict[int, MicroStepQueue[Any]] = {}
+        self.beats: dict[int, float] = {}
+        self.nodes: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def hello(self, rank: int, world_size: int, node: str) -> Any:
+        """A rank reports in; returns the run's rank options (or refuses a wrong world)."""
+        if world_size != self.size:
+            raise ValueError(f"this run needs a world of {self.size} rank(s) (cells × pp); the launcher "
+                             f"started {world_size}")
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} outside 0..{self.size - 1}")
+        with self.lock:
+            self.nodes[rank] = node
+            self.beats[rank] = time.monotonic()
+        return self.opts
+
+    def beat(self, rank: int) -> None:
+        with self.lock:
+            self.beats[rank] = time.monotonic()
+
+    def microstep_queue(self, index: int) -> MicroStepQueue[Any]:
+        with self.lock:
+            if index not in self.microsteps:
+                self.microsteps[index] = MicroStepQueue()
+            return self.microsteps[index]
+
+
+class _ServerManager(BaseManager):
+    pass
+
+
+class _ClientManager(BaseManager):
+    pass
+
+
+_METHODS = ("hello", "beat", "cmd_queue", "engine_queue", "results", "microstep_queue")
+for _name in _METHODS:
+    _ClientManager.register(_name)
+
+
+class ControlServer:
+    """The orchestrator's end: serve the hub on ``(host, port)`` until :meth:`close`."""
+
+    def __init__(self, size: int, opts: Any, host: str, port: int, key: bytes) -> None:
+        self.hub = _Hub(size, opts)
+        hub = self.hub
+        # Callables run in this process (the server is not a separate manager process), so
+        # closures over the hub are fine; proxies carry their results to the ranks.
+        _ServerManager.register("hello", callable=hub.hello)
+        _ServerManager.register("beat", callable=hub.beat)
+        _ServerManager.register("cmd_queue", callable=lambda r: hub.cmd[r])
+        _ServerManager.register("engine_queue", callable=lambda r: hub.engine_cmd[r])
+        _ServerManager.register("results", callable=lambda: hub.results)
+        _ServerManager.register("microstep_queue", callable=hub.microstep_queue,
+                                exposed=("close", "claim_pickled", "unclaimed"))
+        self._manager = _ServerManager(address=(host, port), authkey=key)
+        self._server = self._manager.get_server()
+        self.address: tuple[str, int] = self._server.address
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="gyre-control")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._server.serve_forever()
+        except SystemExit:  # how the stdlib server ends its loop
+            pass
+
+    def seen_within(self, rank: int, seconds: float) -> bool:
+        with self.hub.lock:
+            t = self.hub.beats.get(rank)
+        return t is not None and time.monotonic() - t <= seconds
+
+    def joined(self) -> list[int]:
+        with self.hub.lock:
+            return sorted(self.hub.beats)
+
+    def close(self) -> None:
+        stop = getattr(self._server, "stop_event", None)
+        if stop is not None:
+            stop.set()
+        try:
+            self._server.listener.close()
+        except OSError:
+            pass
+
+
+class ControlClient:
+    """A rank's end: connect, report in, and keep beating (exit when the orchestrator is gone)."""
+
+    def __init__(self, host: str, port: int, key: bytes, rank: int, world_size: int, node: str,
+                 connect_timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                self._manager = _ClientManager(address=(host, port), authkey=key)
+                self._manager.connect()
+                break
+            except (ConnectionError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        self.rank = rank
+        try:
+            self.opts = self._manager.hello(rank, world_size, node)._getvalue()
+        except RemoteError as e:  # the orchestrator refused this rank: say why, in one line
+            lines = [ln for ln in str(e.args[0] if e.args else e).strip().splitlines() if ln.strip()]
+            raise ValueError(lines[-1] if lines else str(e)) from None
+        self.cmd = self._manager.cmd_queue(rank)
+        self.engine_cmd = self._manager.engine_queue(rank)
+        self.results = self._manager.results()
+        self.queues = _RemoteQueues(self._manager)
+        self._beating = threading.Thread(target=self._beat, args=(host, port, key), daemon=True, name="gyre-beat")
+        self._beating.start()
+
+    def _beat(self, host: str, port: int, key: bytes) -> None:
+        misses = 0
+        while True:
+            try:
+                self._manager.beat(self.rank)
+                misses = 0
+            except Exception:
+                misses += 1
+                if misses >= 5:  # the orchestrator is gone: nothing may outlive it
+                    os._exit(3)
+            time.sleep(1.0)
+
+
+class _RemoteMicroSteps:
+    """A rank's view of one of the orchestrator's micro-step queues (claims travel pickled)."""
+
+    def __init__(self, proxy: Any) -> None:
+        self._proxy = proxy
+
+    def claim(self, timeout: float | None = None) -> Any:
+        raw = self._proxy.claim_pickled(timeout)
+        return None if raw is None else pickle.loads(raw)
+
+    def unclaimed(self) -> int:
+        return int(self._proxy.unclaimed())
+
+
+class _RemoteQueues:
+    """``queues[i]`` on a rank: the orchestrator's micro-step queue ``i``."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._cache: dict[int, _RemoteMicroSteps] = {}
+
+    def __getitem__(self, index: int) -> _RemoteMicroSteps:
+        if index not in self._cache:
+            self._cache[index] = _RemoteMicroSteps(self._manager.microstep_queue(index))
+        return self._cache[index]

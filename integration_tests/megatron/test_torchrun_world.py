@@ -1,0 +1,141 @@
+"""Ranks started by ``torchrun`` (two "nodes" on loopback) join a run's control plane and train.
+
+This is how a cluster starts Gyre's training ranks: the orchestrator serves its control plane,
+and each node runs ``torchrun ... -m gyre_megatron.worker``. Here two torchrun agents, each one
+node of one rank, make a world of two cells; a satellite joins the core's step mid-batch through
+micro-step queues served over TCP, both cells end with identical parameters, each micro-step is
+claimed exactly once, and the weights export (tensors travel by value) matches the ranks'.
+Everything the test starts it stops by process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+pytest.importorskip("megatron.core")
+
+from gyre_megatron.testing import feed_in_bursts, make_items  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_torchrun_nodes(nodes: int, per_node: int, control: str, key_file: Path, log_dir: Path,
+                         extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    """``nodes`` torchrun agents on this machine, as a multi-node job would run them."""
+    master = _free_port()
+    procs = []
+    for node in range(nodes):
+        env = {**os.environ, "GYRE_CONTROL": control, "GYRE_CONTROL_KEY_FILE": str(key_file),
+               "OMP_NUM_THREADS": "1", **(extra_env or {})}
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+               f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={master}",
+               "-m", "gyre_megatron.worker"]
+        log = open(log_dir / f"node{node}.log", "wb")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+    return procs
+
+
+def stop_nodes(procs: list[subprocess.Popen[bytes]], grace: float = 20.0) -> list[int | None]:
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def torchrun_sides(tmp_path_factory):
+    from gyre_core.plugins import plugin_manager
+    from gyre_megatron.control import write_key
+    from gyre_megatron.side import shutdown_worlds
+
+    tmp = tmp_path_factory.mktemp("torchrun")
+    key_file = tmp / "control.key"
+    write_key(key_file)
+    port = _free_port()
+    procs = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key_file, tmp)
+    pm = plugin_manager()
+    opts = {"cells": 2, "pp": 1, "data_timeout_s": 10.0, "side_timeout_s": 10.0, "heartbeat_s": 0.3,
+            "max_steps": 4, "publish_dir": str(tmp / "weights"), "step_timeout_s": 120,
+            "launcher": "torchrun", "control_host": "127.0.0.1", "control_port": port,
+            "key_file": str(key_file), "join_timeout_s": 180}
+    try:
+        s0 = pm.hook.gyre_make_training_side(cell=0, options=opts)
+        s1 = pm.hook.gyre_make_training_side(cell=1, options=opts)
+        yield s0, s1, procs, tmp
+    finally:
+        shutdown_worlds()
+        codes = stop_nodes(procs)
+        print("torchrun exit codes", codes, (tmp / "node0.log").read_text()[-2000:])
+
+
+def test_torchrun_ranks_train_a_joined_step(torchrun_sides) -> None:
+    from gyre_megatron.launch import ClusterWorld
+
+    s0, s1, procs, _ = torchrun_sides
+    assert isinstance(s0.world, ClusterWorld) and s0.world is s1.world
+    assert s0.world.server.joined() == [0, 1]
+    for s in (s0, s1):
+        s.leave_training()
+        s.enter_training()
+    items = make_items(8, seed=3)
+    q = s0.micro_step_queue(0)
+    s0.start_step(0)
+    for it in items[:3]:
+        q.put(it)
+    deadline = time.monotonic() + 30
+    while q.unclaimed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s1.join_step(0)
+    time.sleep(0.5)
+    feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
+    s0.close_stream(0)
+    s1.close_stream(0)
+    (core,), (sat,) = s0.last_step_info, s1.last_step_info
+    assert core["m"] == sat["m"] == 2 and sat["joined"]
+    assert sorted(core["claimed"] + sat["claimed"]) == list(range(8))  # each micro-step exactly once
+    params = s0.world.call([0, 1], "params_numpy")
+    assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])
+
+
+def test_export_from_torchrun_ranks_matches_their_parameters(torchrun_sides) -> None:
+    from safetensors.numpy import load_file
+
+    s0, _, _, _ = torchrun_sides
+    ref = s0.publish_weights(1)
+    exported = load_file(str(Path(ref.location) / "model.safetensors"))
+    assert exported and all(np.isfinite(v).all() for v in exported.values())
+    (core,) = s0.world.call([0], "params_numpy")
+    assert sum(v.size for v in exported.values()) >= sum(v.size for v in core.values()) - 1
+
+
+def test_ranks_exit_cleanly_when_the_run_ends(torchrun_sides) -> None:
+    from gyre_megatron.side import shutdown_worlds
+
+    _, _, procs, _ = torchrun_sides
+    shutdown_worlds()
+    assert stop_nodes(procs, grace=30.0) == [0, 0]
