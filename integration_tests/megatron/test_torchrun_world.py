@@ -10,11 +10,6 @@ Everything the test starts it stops by process group.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,47 +19,7 @@ import pytest
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 pytest.importorskip("megatron.core")
 
-from gyre_megatron.testing import feed_in_bursts, make_items  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_torchrun_nodes(nodes: int, per_node: int, control: str, key_file: Path, log_dir: Path,
-                         extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
-    """``nodes`` torchrun agents on this machine, as a multi-node job would run them."""
-    master = _free_port()
-    procs = []
-    for node in range(nodes):
-        env = {**os.environ, "GYRE_CONTROL": control, "GYRE_CONTROL_KEY_FILE": str(key_file),
-               "OMP_NUM_THREADS": "1", **(extra_env or {})}
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-               f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={master}",
-               "-m", "gyre_megatron.worker"]
-        log = open(log_dir / f"node{node}.log", "wb")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
-    return procs
-
-
-def stop_nodes(procs: list[subprocess.Popen[bytes]], grace: float = 20.0) -> list[int | None]:
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-    return codes
+from gyre_megatron.testing import feed_in_bursts, free_port, make_items, start_torchrun_nodes, stop_nodes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +31,7 @@ def torchrun_sides(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchrun")
     key_file = tmp / "control.key"
     write_key(key_file)
-    port = _free_port()
+    port = free_port()
     procs = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key_file, tmp)
     pm = plugin_manager()
     opts = {"cells": 2, "pp": 1, "data_timeout_s": 10.0, "side_timeout_s": 10.0, "heartbeat_s": 0.3,

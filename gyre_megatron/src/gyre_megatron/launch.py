@@ -212,7 +212,8 @@ class ClusterWorld(_Ranks):
     """The ranks of K cells, started by a cluster launcher (``torchrun``) on any number of nodes.
 
     The orchestrator serves the control plane (:mod:`gyre_megatron.control`) on ``(host, port)``
-    and waits up to ``join_timeout_s`` for ``cells × pp`` ranks to report in; each node runs::
+    and waits up to ``join_timeout_s`` for ``cells × pp`` ranks to report in; the key in
+    ``key_file`` (created, 0600, if absent) must be readable on every node. Each node runs::
 
         GYRE_CONTROL=host:port GYRE_CONTROL_KEY_FILE=key torchrun --nnodes N --nproc-per-node G \\
             --rdzv-backend c10d --rdzv-endpoint head:29400 -m gyre_megatron.worker
@@ -225,13 +226,14 @@ class ClusterWorld(_Ranks):
     def __init__(self, opts: RankOptions, n_queues: int, host: str, port: int, key_file: str,
                  join_timeout_s: float = 600.0, dead_after_s: float = 15.0,
                  announce: Any = None) -> None:
-        from gyre_megatron.control import ADDRESS_ENV, KEY_ENV, ControlServer, read_key
+        from gyre_megatron.control import ADDRESS_ENV, KEY_ENV, ControlServer, read_key, write_key
 
         super().__init__()
         self.opts = opts
         self.size = opts.cells * opts.pp
         self.dead_after_s = dead_after_s
-        self.server = ControlServer(self.size, opts, host, port, read_key(key_file))
+        key = read_key(key_file) if os.path.exists(key_file) else write_key(key_file)
+        self.server = ControlServer(self.size, opts, host, port, key)
         self.queues = _HubQueues(self.server, n_queues)
         self._next_queue = 0
         h, p = self.server.address

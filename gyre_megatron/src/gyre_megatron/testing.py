@@ -1,4 +1,5 @@
-"""Synthetic micro-steps for tests and benchmarks: ``{tokens, labels, loss_mask, index}`` rows.
+"""Test and benchmark helpers: synthetic micro-steps (``{tokens, labels, loss_mask, index}`` rows),
+and torchrun "nodes" on one machine (how a cluster starts Gyre's ranks, on loopback).
 
 The streaming schedule is generic over what a micro-step holds; these plain next-token rows with
 a random loss mask exercise it with megatron-core's own per-token cross-entropy.
@@ -6,13 +7,19 @@ a random loss mask exercise it with megatron-core's own per-token cross-entropy.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["feed_in_bursts", "make_items", "make_microsteps"]
+__all__ = ["feed_in_bursts", "free_port", "make_items", "make_microsteps", "start_torchrun_nodes", "stop_nodes"]
 
 
 def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -69,3 +76,43 @@ def feed_in_bursts(q: Any, items: Sequence[Any], burst: int, gap_s: float, close
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_torchrun_nodes(nodes: int, per_node: int, control: str, key_file: Path, log_dir: Path,
+                         extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    """``nodes`` torchrun agents on this machine, as a multi-node job would run them."""
+    master = free_port()
+    procs = []
+    for node in range(nodes):
+        env = {**os.environ, "GYRE_CONTROL": control, "GYRE_CONTROL_KEY_FILE": str(key_file),
+               "OMP_NUM_THREADS": "1", **(extra_env or {})}
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+               f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={master}",
+               "-m", "gyre_megatron.worker"]
+        log = open(log_dir / f"node{node}.log", "wb")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+    return procs
+
+
+def stop_nodes(procs: list[subprocess.Popen[bytes]], grace: float = 20.0) -> list[int | None]:
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    return codes

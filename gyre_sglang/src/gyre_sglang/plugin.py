@@ -44,6 +44,7 @@ def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
 
     server = SGLangServer(
         model_dir,
+        host=str(options.get("host", "127.0.0.1")),
         max_total_tokens=int(options.get("max_total_tokens", 16384)),
         extra_args=list(options.get("extra_args", [])),
         log_path=options.get("log_path"),

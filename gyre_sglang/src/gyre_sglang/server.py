@@ -53,6 +53,12 @@ def _cuda_available() -> bool:
         return False
 
 
+_LAUNCHER_VARIABLES = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+})
+
+
 @dataclass
 class SGLangServer:
     """One ``python -m sglang.launch_server`` process serving ``model_dir``.
@@ -92,7 +98,11 @@ class SGLangServer:
         return cmd + list(self.extra_args)
 
     def _environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # An engine is a distributed job of its own: the rank variables of a launcher that started
+        # its parent (torchrun starting a Gyre rank, which starts its cell's engine) must not leak
+        # into SGLang's own torch.distributed initialisation, which would wait for that world.
+        env = {k: v for k, v in os.environ.items()
+               if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
         env["GYRE_SGLANG_PLUGIN"] = "1"
         if not _cuda_available():
             site = patches_dir() / "sglang" / "site"

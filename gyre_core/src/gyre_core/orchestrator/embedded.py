@@ -180,6 +180,11 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
                   "max_steps": cfg.run.steps + 4, "publish_dir": str(out / "weights"),
                   "step_timeout_s": cfg.training.step_timeout_s}
+    if cfg.cluster.launcher != "local":
+        train_opts.update({"launcher": cfg.cluster.launcher, "control_host": cfg.cluster.control_host,
+                           "control_port": cfg.cluster.control_port,
+                           "key_file": cfg.cluster.key_file or str(out / "control.key"),
+                           "join_timeout_s": cfg.cluster.join_timeout_s, "announce": say})
     training = [await asyncio.to_thread(pm.hook.gyre_make_training_side, cell=i, options=train_opts) for i in range(k)]
     if any(t is None for t in training):
         raise RuntimeError("no training backend: install gyre-megatron (and megatron-core)")
@@ -204,11 +209,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
             "start_timeout_s": cfg.serving.start_timeout_s}
 
     async def start(i: int) -> Any:
-        e = await asyncio.to_thread(pm.hook.gyre_start_engine, model_dir=str(model_dir),
-                                    options={**opts, "log_path": str(out / f"engine{i}.log")})
-        if e is None:
-            raise RuntimeError("no serving backend: install gyre-sglang (and SGLang)")
-        engines.append(e)
+        e = await asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
+                                    {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
         return e
 
     started = await asyncio.gather(*(start(i) for i in range(k)))
@@ -238,7 +240,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
-                                             say, cfg).attach(orch)
+                                             say, cfg, training).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
             if on_started is not None:
                 on_started({"orchestrator": orch, "engines": list(started), "proxy": service,
@@ -263,9 +265,23 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     return summary
 
 
+def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, options: dict[str, Any],
+                  engines: list[Any]) -> Any:
+    """Start one cell's SGLang server where the cell runs: here, or (cluster launchers) on the
+    cell's node by its first rank. Registered in ``engines`` (stopped at the end of the run)."""
+    if cfg.cluster.launcher == "local":
+        e = pm.hook.gyre_start_engine(model_dir=str(model_dir), options=options)
+        if e is None:
+            raise RuntimeError("no serving backend: install gyre-sglang (and SGLang)")
+    else:
+        e = training.start_engine(str(model_dir), {**options, "host": cfg.cluster.engine_host})
+    engines.append(e)
+    return e
+
+
 def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, engines: list[Any],
                      started: Sequence[Any], version: int, say: Callable[[str], None],
-                     cfg: RunConfig) -> EngineWatchdog:
+                     cfg: RunConfig, training: Sequence[Any]) -> EngineWatchdog:
     """The run's engine watchdog: a dead cell engine is killed for good and started again with
     the same options on ``model_dir`` (policy ``version``); the watchdog brings it up to date."""
     current = list(started)
@@ -276,15 +292,9 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, 
         restarts[cell] += 1
         log_path = out / f"engine{cell}.restart{restarts[cell]}.log"
 
-        def start() -> Any:  # registered in the worker thread: a run ending meanwhile still stops it
-            e = pm.hook.gyre_start_engine(model_dir=str(model_dir), options={**opts, "log_path": str(log_path)})
-            if e is not None:
-                engines.append(e)  # stopped by pid with the others at the end of the run
-            return e
-
-        e = await asyncio.to_thread(start)
-        if e is None:
-            raise RuntimeError("no serving backend answered gyre_start_engine")
+        # registered in the worker thread: a run ending meanwhile still stops it
+        e = await asyncio.to_thread(_start_engine, pm, cfg, training[cell], model_dir,
+                                    {**opts, "log_path": str(log_path)}, engines)
         current[cell] = e
         return e
 

@@ -26,6 +26,7 @@ from gyre_core.config import ConfigError, SchedulerConfig
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
 HARNESSES = ("number-guess", "command", "claude-code")
+LAUNCHERS = ("local", "torchrun")
 
 
 @dataclass
@@ -101,6 +102,28 @@ class ProxySection:
 
 
 @dataclass
+class ClusterSection:
+    """Where the cells' ranks and engines run.
+
+    ``local``: this process spawns every rank and engine on this machine. ``torchrun``: the
+    site's launcher starts the ranks on any number of nodes (``torchrun ... -m
+    gyre_megatron.worker``, the command is printed at start); they reach this process's control
+    plane, and each cell's first rank starts the cell's SGLang server on its own node."""
+
+    launcher: str = "local"
+    control_host: str = "127.0.0.1"
+    """Address the control plane binds (a head-node address the other nodes reach, for torchrun)."""
+    control_port: int = 0
+    """0: any free port (printed); fix it when the nodes are launched by a script."""
+    key_file: str = ""
+    """The control plane's per-run key; empty: ``<out_dir>/control.key`` (0600), created if absent."""
+    engine_host: str = "127.0.0.1"
+    """Address each cell's SGLang server binds on its node (``0.0.0.0`` across nodes)."""
+    join_timeout_s: float = 600.0
+    """How long to wait for every rank to join before giving up."""
+
+
+@dataclass
 class WatchdogSection:
     """The engine watchdog (:class:`~gyre_core.orchestrator.watchdog.EngineWatchdog`)."""
 
@@ -140,6 +163,7 @@ class RunConfig:
     proxy: ProxySection = field(default_factory=ProxySection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
     watchdog: WatchdogSection = field(default_factory=WatchdogSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def validate(self) -> "RunConfig":
         def need(cond: bool, where: str, msg: str) -> None:
@@ -168,6 +192,11 @@ class RunConfig:
         need(self.model.max_seq_len >= self.dataplane.token_budget, "model.max_seq_len",
              "must be ≥ dataplane.token_budget (a micro-step row must fit the model)")
         need(self.scheduler.cells >= 1, "scheduler.cells", "must be ≥ 1")
+        need(self.cluster.launcher in LAUNCHERS, "cluster.launcher",
+             f"unknown launcher {self.cluster.launcher!r} (expected one of {', '.join(LAUNCHERS)})")
+        need(0 <= self.cluster.control_port < 65536, "cluster.control_port", "must be a TCP port (0: any free one)")
+        need(bool(self.cluster.control_host), "cluster.control_host", "must not be empty")
+        need(self.cluster.join_timeout_s > 0, "cluster.join_timeout_s", "must be > 0")
         w = self.watchdog
         for name in ("interval_s", "health_every_s", "health_timeout_s"):
             need(getattr(w, name) > 0, f"watchdog.{name}", "must be > 0")

@@ -1,0 +1,81 @@
+"""``gyre-orchestrate run`` with ranks started by torchrun: the multi-node start, on loopback.
+
+The orchestrator (``cluster.launcher = "torchrun"``) spawns no training rank: it serves its
+control plane and waits; two torchrun agents (``--nnodes 2``, one rank each, as two nodes would
+run them) start ``gyre_megatron.worker``, whose ranks join, and the first rank of each cell starts
+that cell's SGLang server on its own "node". The job then runs as usual. Counts: the run trains
+its steps, every finished execution is accounted for (zero lost), both torchrun agents exit 0
+when the run ends, and no SGLang server is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+pytest.importorskip("sglang")
+pytest.importorskip("megatron.core")
+
+from gyre_megatron.control import write_key  # noqa: E402
+from gyre_megatron.testing import free_port, start_torchrun_nodes, stop_nodes  # noqa: E402
+
+
+def _children_named(pids: list[int], needle: str) -> list[int]:
+    """Processes whose command line holds ``needle`` and that descend from ``pids``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            sid = os.getsid(int(d.name))
+        except (OSError, ProcessLookupError):
+            continue
+        if needle in cmd and sid in pids:
+            found.append(int(d.name))
+    return found
+
+
+def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    key = tmp_path / "control.key"
+    write_key(key)
+    port = free_port()
+    orch = subprocess.Popen(
+        [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--json-summary", "--steps", "2",
+         "--set", 'cluster.launcher="torchrun"', "--set", f"cluster.control_port={port}",
+         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240"],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "orchestrator.log", "wb"), text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+    )
+    nodes = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key, tmp_path)
+    try:
+        stdout, _ = orch.communicate(timeout=840)
+        log = (tmp_path / "orchestrator.log").read_text()
+        assert orch.returncode == 0, log[-4000:] + (tmp_path / "node1.log").read_text()[-3000:]
+        codes = stop_nodes(nodes, grace=60.0)
+    finally:
+        if orch.poll() is None:
+            os.killpg(orch.pid, 9)
+            orch.wait()
+        stop_nodes(nodes, grace=0.1)
+
+    assert "waiting for 2 rank(s) to join" in log and "gyre_megatron.worker" in log
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["policy_version"] == 2
+    ex = summary["executions"]
+    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    assert accounted == ex["finished"] and ex["trained"] == 2 * 2 * 4
+    assert any(s["transition"] == "to_training" for s in summary["role_switches"])
+    # the engines were started by the ranks (their logs are where the orchestrator asked)
+    assert (out / "engine0.log").exists() and (out / "engine1.log").exists()
+    assert codes == [0, 0]
+    time.sleep(1.0)
+    assert _children_named([n.pid for n in nodes], "sglang.launch_server") == []
