@@ -237,6 +237,8 @@ class ClusterWorld(_Ranks):
         self.queues = _HubQueues(self.server, n_queues)
         self._next_queue = 0
         h, p = self.server.address
+        if h in ("0.0.0.0", "::", ""):
+            h = socket.getfqdn()  # what the other nodes dial
         self.command = (f"{ADDRESS_ENV}={h}:{p} {KEY_ENV}={key_file} torchrun --nnodes <nodes> "
                         f"--nproc-per-node <{self.size} / nodes> --rdzv-backend c10d --rdzv-endpoint <head>:29400 "
                         f"-m gyre_megatron.worker")

@@ -102,7 +102,7 @@ def launch_command(spec: ExecutionSpec) -> list[str] | None:
         return [c.format(task=spec.task, workdir=spec.workdir) for c in cmd]
     if spec.harness == "claude-code":
         return [str(x.get("claude_bin", "claude")), "-p", spec.task, "--dangerously-skip-permissions",
-                "--output-format", "json"]
+                "--output-format", "json", *[str(a) for a in x.get("claude_args", ())]]
     return None
 
 
@@ -117,6 +117,10 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
     workdir.mkdir(parents=True, exist_ok=True)
     env = harness_env(spec, home)
     if spec.harness == "claude-code":
+        (home / ".claude").mkdir(exist_ok=True)
+        # Offline settings of notes/claude-code-harness.md; side requests (titles) use the same
+        # model, since the proxy serves only the policy.
         env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_MODEL": env["GYRE_MODEL"],
-                    "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
+                    "ANTHROPIC_SMALL_FAST_MODEL": env["GYRE_MODEL"], "DISABLE_TELEMETRY": "1",
+                    "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
     return SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"))

@@ -513,6 +513,7 @@ class LiveOrchestrator:
             extra["command"] = list(self.cfg.harness.command)
         if self.cfg.harness.kind == "claude-code":
             extra["claude_bin"] = self.cfg.harness.claude_bin
+            extra["claude_args"] = list(self.cfg.harness.args)
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(workdir), proxy_base_url=self.proxy_url, api_key=key,
             harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
@@ -790,7 +791,8 @@ class LiveOrchestrator:
                 "stopped": fates["stopped"]}
 
     def summary(self) -> dict[str, Any]:
-        st = self.staleness
+        # Over the groups of completed steps: a step the run's end cut short trained nothing.
+        st = [d for rec in self.step_records for d in rec["staleness"]]
         return {
             "mode": self.cfg.scheduler.mode.value,
             "steps": self.sched.steps_done,

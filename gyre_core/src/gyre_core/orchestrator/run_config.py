@@ -69,6 +69,9 @@ class HarnessSection:
     overall_budget_s: float = 420.0
     """Overall budget of an execution incl. evaluation retries: past it it is discarded."""
     claude_bin: str = "claude"
+    """The Claude Code executable (``harness.kind = "claude-code"``)."""
+    args: list[str] = field(default_factory=list)
+    """Extra arguments for the Claude Code CLI (e.g. ``--tools``, ``--system-prompt``, ``--max-turns``)."""
 
 
 @dataclass

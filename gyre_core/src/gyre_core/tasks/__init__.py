@@ -1,4 +1,10 @@
-"""Built-in tasks: small, verifiable, multi-turn tool-using tasks for the embedded default run.
+"""Built-in tasks: small, verifiable, tool-using tasks for the embedded run and harness checks.
+
+- ``number-guess`` (:mod:`.number_guess`): multi-turn with a ``guess`` tool; its own harness
+  (:mod:`.number_guess_harness`, the official OpenAI SDK) is the embedded default.
+- ``sum-file`` (:mod:`.sum_file`): a file-writing task for black-box coding harnesses such as
+  Claude Code.
+
 
 A task is three things: an instance generator (what the execution is asked), a harness program
 that plays the agent loop against Gyre's proxy over HTTP like any black-box harness, and an

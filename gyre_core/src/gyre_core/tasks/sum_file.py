@@ -1,0 +1,70 @@
+"""``sum-file``: a coding-agent task -- add two numbers and write the result to ``answer.txt``.
+
+Made for black-box coding harnesses (``harness.kind = "claude-code"``): the prompt asks for a file
+in the working directory, which the agent writes with its own tools (Write, Bash, ...). The
+evaluator reads the workspace the harness left: ``1`` when ``answer.txt`` holds exactly the sum
+(surrounding whitespace ignored), ``0`` when it holds anything else or is absent -- the agent ran to
+its end and did not solve the task, which is a real result. Only a workspace that cannot be read
+is *unresolved* (retried, then excluded), never scored.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from gyre_core.hookspecs import hookimpl
+from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+
+__all__ = ["TASK_NAME", "SumFileInstance", "make_instance", "score_workspace"]
+
+TASK_NAME = "sum-file"
+ANSWER_FILE = "answer.txt"
+
+
+@dataclass(frozen=True)
+class SumFileInstance:
+    a: int
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"Compute {self.a} + {self.b} and write only the result to a file named {ANSWER_FILE} in the current directory."
+
+    def as_extra(self) -> dict[str, Any]:
+        return {"task": TASK_NAME, "a": self.a, "b": self.b}
+
+
+def make_instance(group_id: int, seed: int = 0) -> SumFileInstance:
+    rng = random.Random(seed * 1_000_033 + group_id)
+    return SumFileInstance(rng.randint(10, 999), rng.randint(10, 999))
+
+
+def score_workspace(workdir: str | Path, expected: int) -> tuple[float, str]:
+    """``(reward, detail)``; raises ``OSError`` if the workspace itself cannot be read."""
+    root = Path(workdir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"workspace {root} is missing")
+    path = root / ANSWER_FILE
+    if not path.exists():
+        return 0.0, f"no {ANSWER_FILE}"
+    text = path.read_text(errors="replace").strip()
+    return (1.0, "correct") if text == str(expected) else (0.0, f"wrote {text[:40]!r}, expected {expected}")
+
+
+@hookimpl
+def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> SumFileInstance | None:
+    return make_instance(group_id, seed) if task == TASK_NAME else None
+
+
+@hookimpl
+def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
+    if spec.extra.get("task") != TASK_NAME:
+        return None
+    try:
+        score, detail = score_workspace(spec.workdir, int(spec.extra["a"]) + int(spec.extra["b"]))
+    except (OSError, ValueError, KeyError) as e:
+        return Assessment.unresolved(state, f"{type(e).__name__}: {e}")
+    return Assessment.valid(score, state, detail)

@@ -1,0 +1,84 @@
+"""``gyre-orchestrate run`` with ``harness.kind = "claude-code"``: the real CLI as every execution's harness.
+
+One small live job: two cells, the ``sum-file`` task, Claude Code (the pinned CLI, installed with
+npm on first use) started per execution in its own directory and ``HOME`` with its own key, talking
+to the proxy's Anthropic face, served by the real SGLang engines; one training step on what it
+recorded. Counts: every finished execution ran the CLI to a result (not an API error), has a
+reward (0 or 1, never missing), and is accounted for; the trained executions' token records are
+in the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.claude_code, pytest.mark.sglang, pytest.mark.megatron,
+              pytest.mark.timeout(900)]
+pytest.importorskip("sglang")
+pytest.importorskip("megatron.core")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "claude_code"))
+from claude_cli import CLIUnavailable, ensure_cli  # noqa: E402
+
+
+def test_claude_code_harness_runs_a_live_step(tmp_path: Path) -> None:
+    try:
+        claude = ensure_cli()
+    except CLIUnavailable as e:
+        pytest.skip(str(e))
+    cfg = tmp_path / "run.toml"
+    # A tiny model has a small context: two tools and a one-line system prompt keep Claude Code's
+    # requests within it; everything else is the CLI's own behaviour.
+    cfg.write_text(f"""
+[scheduler]
+cells = 2
+cell_capacity = 2
+group_size = 2
+groups_per_step = 1
+[run]
+steps = 1
+[task]
+name = "sum-file"
+[harness]
+kind = "claude-code"
+claude_bin = "{claude}"
+args = ["--tools", "Write,Bash", "--system-prompt", "You are a coding agent. Use the Write tool.", "--max-turns", "3"]
+timeout_s = 180
+overall_budget_s = 400
+[model]
+max_seq_len = 8192
+[dataplane]
+token_budget = 8192
+[serving]
+max_total_tokens = 32768
+[sampling]
+max_new_tokens = 48
+""")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(cfg), "--out", str(out), "--json-summary"],
+        capture_output=True, text=True, timeout=840, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["policy_version"] == 1
+    ex = summary["executions"]
+    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    assert accounted == ex["finished"] and ex["trained"] == 2 and ex["excluded"] == 0
+
+    journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    scored = {j["execution_id"]: j for j in journal if j["kind"] == "scored"}
+    assert len(scored) >= ex["trained"]
+    for eid, entry in scored.items():
+        assert entry["reward"] in (0.0, 1.0)  # a verdict on the workspace, never a stand-in
+        assert entry["tree"]["nodes"], f"execution {eid}: no token records"
+        # the real CLI ran to its result through the proxy, as this execution, in its own home
+        result = json.loads((out / "executions" / f"e{eid:05d}.log").read_text().strip().splitlines()[-1])
+        assert result["type"] == "result" and result["is_error"] is False, result
+        assert (out / "executions" / f"e{eid:05d}.home" / ".claude").is_dir()
