@@ -23,7 +23,7 @@ import queue
 import secrets
 import threading
 import time
-from multiprocessing.managers import BaseManager, RemoteError
+from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ class _ClientManager(BaseManager):
     pass
 
 
-_METHODS = ("hello", "beat", "cmd_queue", "engine_queue", "results", "microstep_queue")
+_METHODS = ("hub", "cmd_queue", "engine_queue", "results", "microstep_queue")
 for _name in _METHODS:
     _ClientManager.register(_name)
 
@@ -111,8 +111,7 @@ class ControlServer:
         hub = self.hub
         # Callables run in this process (the server is not a separate manager process), so
         # closures over the hub are fine; proxies carry their results to the ranks.
-        _ServerManager.register("hello", callable=hub.hello)
-        _ServerManager.register("beat", callable=hub.beat)
+        _ServerManager.register("hub", callable=lambda: hub, exposed=("hello", "beat"))
         _ServerManager.register("cmd_queue", callable=lambda r: hub.cmd[r])
         _ServerManager.register("engine_queue", callable=lambda r: hub.engine_cmd[r])
         _ServerManager.register("results", callable=lambda: hub.results)
@@ -165,23 +164,22 @@ class ControlClient:
                     raise
                 time.sleep(1.0)
         self.rank = rank
-        try:
-            self.opts = self._manager.hello(rank, world_size, node)._getvalue()
-        except RemoteError as e:  # the orchestrator refused this rank: say why, in one line
-            lines = [ln for ln in str(e.args[0] if e.args else e).strip().splitlines() if ln.strip()]
-            raise ValueError(lines[-1] if lines else str(e)) from None
+        # One proxy, one connection per thread (the stdlib keeps them thread-local): a beat is a
+        # message on an open connection, not a new one.
+        self._hub = self._manager.hub()
+        self.opts = self._hub.hello(rank, world_size, node)  # raises the hub's ValueError if refused
         self.cmd = self._manager.cmd_queue(rank)
         self.engine_cmd = self._manager.engine_queue(rank)
         self.results = self._manager.results()
         self.queues = _RemoteQueues(self._manager)
-        self._beating = threading.Thread(target=self._beat, args=(host, port, key), daemon=True, name="gyre-beat")
+        self._beating = threading.Thread(target=self._beat, daemon=True, name="gyre-beat")
         self._beating.start()
 
-    def _beat(self, host: str, port: int, key: bytes) -> None:
+    def _beat(self) -> None:
         misses = 0
         while True:
             try:
-                self._manager.beat(self.rank)
+                self._hub.beat(self.rank)
                 misses = 0
             except Exception:
                 misses += 1
