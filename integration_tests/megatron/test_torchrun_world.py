@@ -94,3 +94,43 @@ def test_ranks_exit_cleanly_when_the_run_ends(torchrun_sides) -> None:
     _, _, procs, _ = torchrun_sides
     shutdown_worlds()
     assert stop_nodes(procs, grace=30.0) == [0, 0]
+
+
+ORCHESTRATOR_STUB = """
+import sys, time
+from gyre_megatron.launch import ClusterWorld
+from gyre_megatron.runtime import RankOptions
+w = ClusterWorld(RankOptions(cells=2, pp=1), 2, "127.0.0.1", int(sys.argv[1]), sys.argv[2], join_timeout_s=120)
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_the_orchestrator_is_killed(tmp_path) -> None:
+    """A killed orchestrator (SIGKILL: no goodbye) leaves no rank behind on any node."""
+    import signal
+    import subprocess
+    import sys
+
+    from gyre_megatron.control import write_key
+
+    key_file = tmp_path / "control.key"
+    write_key(key_file)
+    port = free_port()
+    orch = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR_STUB, str(port), str(key_file)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    procs = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key_file, tmp_path)
+    try:
+        assert orch.stdout is not None and orch.stdout.readline().strip() == "joined"
+        orch.send_signal(signal.SIGKILL)
+        orch.wait()
+        t0 = time.monotonic()
+        for p in procs:
+            p.wait(timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert all(p.returncode != 0 for p in procs)  # torchrun reports the lost run as a failure
+    finally:
+        stop_nodes(procs, grace=0.1)
+        if orch.poll() is None:
+            orch.kill()
+            orch.wait()
