@@ -68,3 +68,15 @@ def test_claims_over_the_wire_are_whole_and_once(server) -> None:
             got.append(item)
     assert sorted(got, key=lambda x: x["i"]) == items
     assert a.queues[0].claim(0.1) is None and b.queues[0].unclaimed() == 0
+    a.close()
+    b.close()
+
+
+def test_a_lost_orchestrator_is_reported_once(tmp_path) -> None:
+    key = write_key(tmp_path / "k")
+    srv = ControlServer(1, {}, "127.0.0.1", 0, key)
+    lost = []
+    client = ControlClient(*srv.address, key, 0, 1, "n", connect_timeout_s=5, on_lost=lambda: lost.append(1))
+    srv.close()
+    client._beating.join(15)
+    assert lost == [1] and not client._beating.is_alive()

@@ -25,7 +25,7 @@ import threading
 import time
 from multiprocessing.managers import BaseManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gyre_core.dataplane.microstep_queue import MicroStepQueue
 
@@ -120,14 +120,23 @@ class ControlServer:
         self._manager = _ServerManager(address=(host, port), authkey=key)
         self._server = self._manager.get_server()
         self.address: tuple[str, int] = self._server.address
+        self._closed = threading.Event()
+        self._server.stop_event = self._closed  # the stdlib's per-connection loops watch it
         self._thread = threading.Thread(target=self._serve, daemon=True, name="gyre-control")
         self._thread.start()
 
     def _serve(self) -> None:
-        try:
-            self._server.serve_forever()
-        except SystemExit:  # how the stdlib server ends its loop
-            pass
+        # The stdlib's serve_forever is made for a manager *process*: it resets sys.stdout and
+        # calls sys.exit when stopped. In a thread of the orchestrator, accept here instead; each
+        # connection is authenticated and served in its own thread by the stdlib server.
+        while not self._closed.is_set():
+            try:
+                conn = self._server.listener.accept()
+            except Exception:
+                if self._closed.is_set():
+                    return
+                continue
+            threading.Thread(target=self._server.handle_request, args=(conn,), daemon=True).start()
 
     def seen_within(self, rank: int, seconds: float) -> bool:
         with self.hub.lock:
@@ -139,20 +148,23 @@ class ControlServer:
             return sorted(self.hub.beats)
 
     def close(self) -> None:
-        stop = getattr(self._server, "stop_event", None)
-        if stop is not None:
-            stop.set()
+        self._closed.set()
         try:
             self._server.listener.close()
         except OSError:
             pass
+        self._thread.join(5)
 
 
 class ControlClient:
     """A rank's end: connect, report in, and keep beating (exit when the orchestrator is gone)."""
 
     def __init__(self, host: str, port: int, key: bytes, rank: int, world_size: int, node: str,
-                 connect_timeout_s: float = 120.0) -> None:
+                 connect_timeout_s: float = 120.0, on_lost: Callable[[], None] | None = None) -> None:
+        """``on_lost`` is called once when beats have failed for 5 s (the orchestrator is gone);
+        a rank process passes one that exits, so nothing outlives its orchestrator."""
+        self._on_lost = on_lost
+        self._stopped = threading.Event()
         deadline = time.monotonic() + connect_timeout_s
         while True:
             try:
@@ -177,15 +189,20 @@ class ControlClient:
 
     def _beat(self) -> None:
         misses = 0
-        while True:
+        while not self._stopped.wait(1.0):
             try:
                 self._hub.beat(self.rank)
                 misses = 0
             except Exception:
                 misses += 1
-                if misses >= 5:  # the orchestrator is gone: nothing may outlive it
-                    os._exit(3)
-            time.sleep(1.0)
+                if misses >= 5:
+                    if self._on_lost is not None:
+                        self._on_lost()
+                    return
+
+    def close(self) -> None:
+        """Stop beating (the orchestrator then sees this rank go silent)."""
+        self._stopped.set()
 
 
 class _RemoteMicroSteps:

@@ -71,6 +71,14 @@ def _serve_engines(client: ControlClient) -> None:
             pass
 
 
+def _lost(rank: int) -> Any:
+    def exit_now() -> None:  # the orchestrator is gone: nothing of this run may outlive it
+        print(f"gyre-megatron-worker rank {rank}: the orchestrator stopped answering", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    return exit_now
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre-megatron-worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--control", default=os.environ.get(ADDRESS_ENV), help=f"host:port (default ${ADDRESS_ENV})")
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = args.control.rpartition(":")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     client = ControlClient(host, int(port), read_key(args.key_file), rank, world, socket.getfqdn(),
-                           connect_timeout_s=args.connect_timeout)
+                           connect_timeout_s=args.connect_timeout, on_lost=_lost(rank))
     engines = threading.Thread(target=_serve_engines, args=(client,), name="gyre-engines")
     engines.start()  # lives as long as the rank: engines it starts die with it (PR_SET_PDEATHSIG)
     from gyre_megatron.runtime import serve_rank
