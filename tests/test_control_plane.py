@@ -80,3 +80,18 @@ def test_a_lost_orchestrator_is_reported_once(tmp_path) -> None:
     srv.close()
     client._beating.join(15)
     assert lost == [1] and not client._beating.is_alive()
+
+
+def test_two_servers_in_one_process_keep_their_own_runs(tmp_path) -> None:
+    key = write_key(tmp_path / "k")
+    first = ControlServer(1, {"run": 1}, "127.0.0.1", 0, key)
+    second = ControlServer(1, {"run": 2}, "127.0.0.1", 0, key)
+    try:
+        a = ControlClient(*first.address, key, 0, 1, "n", connect_timeout_s=5)
+        b = ControlClient(*second.address, key, 0, 1, "n", connect_timeout_s=5)
+        assert (a.opts, b.opts) == ({"run": 1}, {"run": 2})
+        a.close()
+        b.close()
+    finally:
+        first.close()
+        second.close()

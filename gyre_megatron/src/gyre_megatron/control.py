@@ -10,9 +10,11 @@ engine commands per rank, the result queue and the micro-step queues, which stay
 :class:`~gyre_core.dataplane.microstep_queue.MicroStepQueue` objects in the orchestrator (ranks
 claim from them through proxies, so each micro-step is still handed out exactly once).
 
-Ranks beat every second; a rank that has not beaten for ``dead_after_s`` is dead to the
-orchestrator, and a rank that cannot beat (the orchestrator is gone) exits, so a killed
-orchestrator leaves no ranks (and, through them, no engines) behind on any node.
+Anyone holding the key can drive the ranks (the protocol is pickle), so the key file is 0600 and
+the server binds loopback unless told otherwise. Ranks beat every second; a rank that has not
+beaten for ``dead_after_s`` is dead to the orchestrator, and a rank process that cannot beat (the
+orchestrator is gone) exits, so a killed orchestrator leaves no ranks (and, through them, no
+engines) behind on any node.
 """
 
 from __future__ import annotations
@@ -90,10 +92,6 @@ class _Hub:
             return self.microsteps[index]
 
 
-class _ServerManager(BaseManager):
-    pass
-
-
 class _ClientManager(BaseManager):
     pass
 
@@ -110,14 +108,16 @@ class ControlServer:
         self.hub = _Hub(size, opts)
         hub = self.hub
         # Callables run in this process (the server is not a separate manager process), so
-        # closures over the hub are fine; proxies carry their results to the ranks.
-        _ServerManager.register("hub", callable=lambda: hub, exposed=("hello", "beat"))
-        _ServerManager.register("cmd_queue", callable=lambda r: hub.cmd[r])
-        _ServerManager.register("engine_queue", callable=lambda r: hub.engine_cmd[r])
-        _ServerManager.register("results", callable=lambda: hub.results)
-        _ServerManager.register("microstep_queue", callable=hub.microstep_queue,
+        # closures over the hub are fine; proxies carry their results to the ranks. A class of
+        # its own per server: registrations are class state, and two servers must not share them.
+        manager_cls: Any = type("_ServerManager", (BaseManager,), {})
+        manager_cls.register("hub", callable=lambda: hub, exposed=("hello", "beat"))
+        manager_cls.register("cmd_queue", callable=lambda r: hub.cmd[r])
+        manager_cls.register("engine_queue", callable=lambda r: hub.engine_cmd[r])
+        manager_cls.register("results", callable=lambda: hub.results)
+        manager_cls.register("microstep_queue", callable=hub.microstep_queue,
                                 exposed=("close", "claim_pickled", "unclaimed"))
-        self._manager = _ServerManager(address=(host, port), authkey=key)
+        self._manager = manager_cls(address=(host, port), authkey=key)
         self._server = self._manager.get_server()
         self.address: tuple[str, int] = self._server.address
         self._closed = threading.Event()
@@ -157,7 +157,7 @@ class ControlServer:
 
 
 class ControlClient:
-    """A rank's end: connect, report in, and keep beating (exit when the orchestrator is gone)."""
+    """A rank's end: connect, report in, and keep beating until :meth:`close`."""
 
     def __init__(self, host: str, port: int, key: bytes, rank: int, world_size: int, node: str,
                  connect_timeout_s: float = 120.0, on_lost: Callable[[], None] | None = None) -> None:
