@@ -22,6 +22,9 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 N = 384
 """Long enough that the request is still decoding when the hand-off aborts it, even on an idle machine."""
+N_ORPHAN = 2048
+"""The orphan test pins a request it then aborts, so it can afford a far longer one: 384 tokens
+once finished between the stream's third token and the pin in CI."""
 GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
 MOVE_AFTER = 3
 """Tokens the source must have streamed before the hand-off starts (so it is mid-generation)."""
@@ -48,7 +51,7 @@ def _source_pins(state: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in state["pins"] if p["kind"] == "source"]
 
 
-async def _start_and_wait_decoding(url: str, prompt: list[int], rid: str) -> asyncio.Task:
+async def _start_and_wait_decoding(url: str, prompt: list[int], rid: str, max_new_tokens: int = N) -> asyncio.Task:
     """Stream a greedy request from ``url``; return once it has produced MOVE_AFTER tokens.
 
     The task's result is the final answer (a ``GenerateResult``), partial when aborted. Streaming
@@ -63,7 +66,8 @@ async def _start_and_wait_decoding(url: str, prompt: list[int], rid: str) -> asy
     started = asyncio.Event()
 
     async def run():
-        body = {"input_ids": prompt, "sampling_params": GREEDY, "rid": rid, "stream": True}
+        body = {"input_ids": prompt, "sampling_params": dict(GREEDY, max_new_tokens=max_new_tokens), "rid": rid,
+                "stream": True}
         last = None
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/generate", json=body) as r:
@@ -179,7 +183,7 @@ def test_killed_destination_leaves_source_blocks_released_after_the_lease(sglang
     async def go():
         async with SGLangClient(sglang_server.url) as a, SGLangClient(dest_server.url) as b:
             before = await _pins(a)
-            task = await _start_and_wait_decoding(a.url, prompt, "kvh-orphan")
+            task = await _start_and_wait_decoding(a.url, prompt, "kvh-orphan", N_ORPHAN)
             pin = await a.post("/gyre/kv/pin", {"rid": "kvh-orphan", "lease_s": lease_s})
             await a.abort_request("kvh-orphan")
             partial = await task
