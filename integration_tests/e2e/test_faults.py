@@ -150,7 +150,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
 
     # generous for a loaded CPU (harness start-up alone takes seconds), short enough that the
     # budget of the first executions ends well before the third step does
-    timeout_s, budget_s = 25.0, 35.0
+    timeout_s, budget_s = 35.0, 50.0
     attempt_bound = max(1.0, min(60.0, budget_s / 4))  # what live.py allows one evaluator attempt
     # group 0 = executions 0-3 (faults that recover), group 1 = 4-7 (faults that exclude)
     evaluator = FaultyEvaluator({0: "raise_once", 1: "hang_once", 4: "raise_always", 5: "hang_always"},

@@ -90,6 +90,11 @@ class SGLangServer:
         ]
         if not _cuda_available():
             cmd += ["--device", "cpu"]
+            if "--sleep-on-idle" not in self.extra_args:
+                # An idle scheduler otherwise polls in a loop and keeps a whole core busy; on a CPU
+                # machine that core is the training ranks' and the harnesses'. Gyre's side channel
+                # is in the sleeper's poller, so its requests still wake the scheduler at once.
+                cmd += ["--sleep-on-idle"]
         if "--custom-weight-loader" not in self.extra_args:
             # Gyre's Mooncake weight publication (gyre_sglang.weight_publication) loads through it.
             from gyre_sglang.weight_publication import LOADER
