@@ -48,6 +48,7 @@ def test_wrong_world_size_is_refused_with_a_clear_error(server) -> None:
     host, port = srv.address
     with pytest.raises(ValueError, match="world of 2 rank"):
         ControlClient(host, port, key, 0, 3, "n", connect_timeout_s=1)
+    assert srv.hub.refused and "world of 2" in srv.hub.refused[0]  # the orchestrator stops waiting on it
 
 
 def test_claims_over_the_wire_are_whole_and_once(server) -> None:

@@ -75,6 +75,7 @@ max_new_tokens = 48
 
     journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     scored = {j["execution_id"]: j for j in journal if j["kind"] == "scored"}
+    trajectories = {j["execution_id"]: j for j in journal if j["kind"] == "trajectory"}
     failed = {j["execution_id"] for j in journal if j["kind"] == "placeholder"}
     assert scored.keys().isdisjoint(failed) and len(scored) + len(failed) >= ex["trained"]
     for eid in sorted(scored.keys() | failed):
@@ -86,7 +87,7 @@ max_new_tokens = 48
         if eid in scored:  # the CLI exited 0: a verdict on the workspace, never a stand-in
             assert result["is_error"] is False
             assert scored[eid]["reward"] in (0.0, 1.0)
-            assert scored[eid]["tree"]["nodes"], f"execution {eid}: no token records"
+            assert trajectories[eid]["tree"]["nodes"], f"execution {eid}: no token records"
         else:  # the CLI reported an error and exited non-zero: a complete failure, zero reward
             # (a random tiny model often runs into the proxy's max_new_tokens, which Claude Code
             # treats as an error)

@@ -144,13 +144,14 @@ def _assert_nothing_lost(orch: Any, ex: dict[str, int]) -> None:
 
 
 def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
-    """Counts: 24 trained (3 steps × B=2 × N=4), exactly 3 excluded (evaluator always raises, always
+    """Counts: 48 trained (6 steps × B=2 × N=4), exactly 3 excluded (evaluator always raises, always
     hangs, harness hung before answering), their group dropped, 0 failed harnesses, 0 lost."""
     from gyre_core.orchestrator.embedded import run_live
 
-    # generous for a loaded CPU (harness start-up alone takes seconds), short enough that the
-    # budget of the first executions ends well before the third step does
-    timeout_s, budget_s = 35.0, 50.0
+    # generous for a loaded CPU (a normal harness takes 7-10 s here, over 20 s under load), short
+    # enough that the budget of the first executions ends well before the run does (its steps
+    # come about 9 s apart once the engines sleep when idle, so the run is 6 steps long)
+    timeout_s, budget_s, steps = 25.0, 40.0, 6
     attempt_bound = max(1.0, min(60.0, budget_s / 4))  # what live.py allows one evaluator attempt
     # group 0 = executions 0-3 (faults that recover), group 1 = 4-7 (faults that exclude)
     evaluator = FaultyEvaluator({0: "raise_once", 1: "hang_once", 4: "raise_always", 5: "hang_always"},
@@ -160,7 +161,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     script.write_text(HARNESS)
     out = tmp_path / "run"
     cfg = _config(out, script, harness, turns=2, **{
-        "run.steps": 3, "harness.timeout_s": timeout_s, "harness.overall_budget_s": budget_s})
+        "run.steps": steps, "harness.timeout_s": timeout_s, "harness.overall_budget_s": budget_s})
     parts: dict[str, Any] = {}
     t0 = time.monotonic()
     summary = run_live(cfg, plugins=[evaluator], on_started=parts.update)
@@ -169,9 +170,9 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     execs, ledger = orch._execs, orch.ledger
     print(f"\nfault run A: {wall:.0f} s; executions {summary['executions']}")
 
-    assert summary["steps"] == 3
+    assert summary["steps"] == steps
     ex = summary["executions"]
-    assert ex["trained"] == 3 * 2 * 4
+    assert ex["trained"] == steps * 2 * 4
     assert ex["excluded"] == 3, {e: x.fate for e, x in execs.items()}
     assert ex["dropped"] >= 1  # execution 7: valid, but its group can no longer reach N
     _assert_nothing_lost(orch, ex)
@@ -216,7 +217,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
 
 
 def test_engine_killed_mid_request(tmp_path: Path) -> None:
-    """Counts: 24 trained (3 steps × B=2 × N=4), 0 failed, 0 excluded, 0 lost; the calls that were
+    """Counts: 64 trained (8 steps × B=2 × N=4), 0 failed, 0 excluded, 0 lost; the calls that were
     in flight on the killed engine were served again elsewhere (attempts ≥ 2), every harness
     exited cleanly, and the engine came back under a new URL on the current weights."""
     from gyre_core.orchestrator.embedded import run_live
@@ -224,8 +225,11 @@ def test_engine_killed_mid_request(tmp_path: Path) -> None:
     script = tmp_path / "fault_harness.py"
     script.write_text(HARNESS)
     out = tmp_path / "run"
-    cfg = _config(out, script, {}, turns=5, **{  # 3 steps: a restart takes 40-130 s on a loaded CPU
-        "run.steps": 3, "harness.timeout_s": 120.0, "harness.overall_budget_s": 240.0})
+    # long enough to see the restarted engine serve: a restart takes 25-40 s here (40-130 s on a
+    # loaded CPU), the steps come about 9 s apart
+    steps = 8
+    cfg = _config(out, script, {}, turns=5, **{
+        "run.steps": steps, "harness.timeout_s": 120.0, "harness.overall_budget_s": 240.0})
     parts: dict[str, Any] = {}
     killed: dict[str, Any] = {}
 
@@ -254,9 +258,9 @@ def test_engine_killed_mid_request(tmp_path: Path) -> None:
           f"executions {summary['executions']}")
 
     assert killed.get("executions"), "the satellite engine never had two calls in flight"
-    assert summary["steps"] == 3
+    assert summary["steps"] == steps
     ex = summary["executions"]
-    assert ex["trained"] == 3 * 2 * 4 and ex["excluded"] == 0
+    assert ex["trained"] == steps * 2 * 4 and ex["excluded"] == 0
     _assert_nothing_lost(orch, ex)
 
     # The harnesses saw no error: every one completed (exit 0) with a clean report.

@@ -134,3 +134,22 @@ def test_ranks_exit_when_the_orchestrator_is_killed(tmp_path) -> None:
         if orch.poll() is None:
             orch.kill()
             orch.wait()
+
+
+def test_a_launcher_that_started_the_wrong_world_fails_the_join_at_once(tmp_path) -> None:
+    """Three ranks for a two-rank run: the orchestrator says so, instead of waiting out its timeout."""
+    from gyre_megatron.control import write_key
+    from gyre_megatron.launch import ClusterWorld, RankError
+    from gyre_megatron.runtime import RankOptions
+
+    key_file = tmp_path / "control.key"
+    write_key(key_file)
+    port = free_port()
+    procs = start_torchrun_nodes(1, 3, f"127.0.0.1:{port}", key_file, tmp_path)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RankError, match="world of 2 rank"):
+            ClusterWorld(RankOptions(cells=2, pp=1), 2, "127.0.0.1", port, str(key_file), join_timeout_s=240)
+        assert time.monotonic() - t0 < 120
+    finally:
+        stop_nodes(procs, grace=10.0)

@@ -67,15 +67,20 @@ class _Hub:
         self.microsteps: dict[int, MicroStepQueue[Any]] = {}
         self.beats: dict[int, float] = {}
         self.nodes: dict[int, str] = {}
+        self.refused: list[str] = []
         self.lock = threading.Lock()
 
     def hello(self, rank: int, world_size: int, node: str) -> Any:
         """A rank reports in; returns the run's rank options (or refuses a wrong world)."""
+        why = None
         if world_size != self.size:
-            raise ValueError(f"this run needs a world of {self.size} rank(s) (cells × pp); the launcher "
-                             f"started {world_size}")
-        if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} outside 0..{self.size - 1}")
+            why = f"this run needs a world of {self.size} rank(s) (cells × pp); the launcher started {world_size}"
+        elif not 0 <= rank < self.size:
+            why = f"rank {rank} outside 0..{self.size - 1}"
+        if why is not None:
+            with self.lock:
+                self.refused.append(why)  # the orchestrator fails its wait with this, at once
+            raise ValueError(why)
         with self.lock:
             self.nodes[rank] = node
             self.beats[rank] = time.monotonic()

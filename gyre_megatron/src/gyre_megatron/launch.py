@@ -260,6 +260,8 @@ class ClusterWorld(_Ranks):
         return r, seq, ok, payload
 
     def _dead(self, rank: int) -> str | None:
+        if self.server.hub.refused:  # the launcher started the wrong world: waiting cannot help
+            return f"a rank was refused: {self.server.hub.refused[0]}"
         if rank not in self.server.joined():
             return None  # not joined yet: the join timeout decides
         if self.server.seen_within(rank, self.dead_after_s):

@@ -5,9 +5,12 @@ of the events it was fed and their times. So the journal records (one JSON objec
 flushed and fsynced before the event takes effect):
 
 - ``event``      -- every event fed to the scheduler, with its time;
-- ``scored``     -- an execution's valid reward with its trajectory tree and selected leaves
-  (written *before* its ``EvaluationValid`` is fed, so a reward is never journalled as an event
-  without its data); ``placeholder`` for a complete failure's zero;
+- ``trajectory`` -- an execution's trajectory tree and selected leaves, written *before* its
+  ``ExecutionEnded`` (the proxy's records live in memory only: a crash keeps both or neither, and
+  an execution whose end was journalled can always be evaluated after a resume);
+- ``scored``     -- an execution's valid reward (written *before* its ``EvaluationValid`` is fed,
+  so a reward is never journalled as an event without its data; older journals carry the tree
+  here); ``placeholder`` for a complete failure's zero;
 - ``excluded``   -- an execution whose evaluation never resolved inside its budget;
 - ``checkpoint`` -- the core saved its training state after step ``step`` (weights + optimizer);
 - ``published``  -- policy ``version`` is loadable from ``location``.

@@ -74,6 +74,8 @@ class _Execution:
     outcome: Outcome | None = None
     reward: float | None = None
     fate: str = "queued"  # queued, running, ended, trained, dropped, surplus, excluded, cancelled
+    trajectory: tuple[Any, Any] | None = None
+    """(tree, selected) as the execution ended: the proxy's records, kept for its evaluation."""
 
 
 @dataclass
@@ -338,6 +340,9 @@ class LiveOrchestrator:
                         publish_pending = None
                 for cmd in self.sched.handle(event, t):
                     effects(cmd, t)
+            elif kind == "trajectory":
+                self._execs[int(rec["execution_id"])].trajectory = (tree_from_json(rec["tree"]),
+                                                                     selected_from_json(rec["selected"]))
             elif kind in ("scored", "placeholder"):
                 eid = int(rec["execution_id"])
                 ex = self._execs[eid]
@@ -354,8 +359,10 @@ class LiveOrchestrator:
                     if running:
                         self.ledger.terminated(eid, Outcome.COMPLETED, self._final_state(eid))
                     self.ledger.evaluate(eid, lambda st, r=reward: Assessment.valid(r, st), self.now())
-                    if not self.buffer.put(ScoredExecution(eid, ex.group_id, reward, tree_from_json(rec["tree"]),
-                                                           selected_from_json(rec["selected"]))):
+                    if "tree" in rec:  # journals written before trajectories had their own entry
+                        ex.trajectory = (tree_from_json(rec["tree"]), selected_from_json(rec["selected"]))
+                    assert ex.trajectory is not None, f"journal: execution {eid} scored without its records"
+                    if not self.buffer.put(ScoredExecution(eid, ex.group_id, reward, *ex.trajectory)):
                         ex.fate = "surplus"
             elif kind == "excluded":
                 eid = int(rec["execution_id"])
@@ -542,6 +549,14 @@ class LiveOrchestrator:
         ex = self._execs[eid]
         ex.outcome, ex.fate = outcome, "ended"
         self.proxy.close_execution(eid)
+        if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
+            # Its token records live only in this process: journal them *before* its end, so a
+            # crash either keeps both (the resumed run evaluates it) or neither (it is re-run).
+            ex.trajectory = (self.proxy.records(eid).tree,
+                             self.proxy.selected(eid, self.cfg.dataplane.j_max, self.cfg.run.seed * 7919 + eid))
+            if self.journal is not None:
+                self.journal.write("trajectory", execution_id=eid, tree=tree_to_json(ex.trajectory[0]),
+                                   selected=selected_to_json(ex.trajectory[1]))
         self._emit(ev.ExecutionEnded(eid, outcome))
         state = self._final_state(eid)
         answer = self.ledger.terminated(eid, outcome, state if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT) else None)
@@ -569,11 +584,10 @@ class LiveOrchestrator:
             if isinstance(answer, ev.EvaluationValid):
                 reward = self.ledger.reward(eid)
                 ex.reward = reward
-                tree = self.proxy.records(eid).tree
-                selected = self.proxy.selected(eid, self.cfg.dataplane.j_max, self.cfg.run.seed * 7919 + eid)
-                if self.journal is not None:
-                    self.journal.write("scored", execution_id=eid, group=ex.group_id, reward=reward,
-                                       tree=tree_to_json(tree), selected=selected_to_json(selected))
+                assert ex.trajectory is not None, f"execution {eid} was evaluated without its records"
+                tree, selected = ex.trajectory
+                if self.journal is not None:  # the records are in its "trajectory" entry
+                    self.journal.write("scored", execution_id=eid, group=ex.group_id, reward=reward)
                 used = self.buffer.put(ScoredExecution(eid, ex.group_id, reward, tree, selected))
                 if not used:
                     ex.fate = "surplus"
