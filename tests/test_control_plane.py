@@ -30,16 +30,18 @@ def test_key_file_is_private_and_readable(tmp_path) -> None:
     assert read_key(tmp_path / "k") == key
 
 
-def test_binds_loopback_by_default_address(server) -> None:
-    srv, _ = server
-    assert srv.address[0] == "127.0.0.1"
+def test_run_defaults_bind_loopback() -> None:
+    from gyre_core.orchestrator.run_config import RunConfig
+
+    cluster = RunConfig().cluster
+    assert (cluster.launcher, cluster.control_host, cluster.engine_host) == ("local", "127.0.0.1", "127.0.0.1")
 
 
 def test_wrong_key_is_refused(server) -> None:
     srv, _ = server
     host, port = srv.address
     with pytest.raises(multiprocessing.AuthenticationError):
-        ControlClient(host, port, b"x" * 64, 0, 2, "n", connect_timeout_s=1)
+        ControlClient(host, port, b"x" * 64, 0, 2, connect_timeout_s=1)
     assert srv.joined() == []
 
 
@@ -47,15 +49,15 @@ def test_wrong_world_size_is_refused_with_a_clear_error(server) -> None:
     srv, key = server
     host, port = srv.address
     with pytest.raises(ValueError, match="world of 2 rank"):
-        ControlClient(host, port, key, 0, 3, "n", connect_timeout_s=1)
+        ControlClient(host, port, key, 0, 3, connect_timeout_s=1)
     assert srv.hub.refused and "world of 2" in srv.hub.refused[0]  # the orchestrator stops waiting on it
 
 
 def test_claims_over_the_wire_are_whole_and_once(server) -> None:
     srv, key = server
     host, port = srv.address
-    a = ControlClient(host, port, key, 0, 2, "node-a", connect_timeout_s=5)
-    b = ControlClient(host, port, key, 1, 2, "node-b", connect_timeout_s=5)
+    a = ControlClient(host, port, key, 0, 2, connect_timeout_s=5)
+    b = ControlClient(host, port, key, 1, 2, connect_timeout_s=5)
     assert a.opts == {"opts": 1} and srv.joined() == [0, 1]
     q = srv.hub.microstep_queue(0)
     items = [{"i": i, "payload": list(range(i))} for i in range(20)]
@@ -77,7 +79,7 @@ def test_a_lost_orchestrator_is_reported_once(tmp_path) -> None:
     key = write_key(tmp_path / "k")
     srv = ControlServer(1, {}, "127.0.0.1", 0, key)
     lost = []
-    client = ControlClient(*srv.address, key, 0, 1, "n", connect_timeout_s=5, on_lost=lambda: lost.append(1))
+    client = ControlClient(*srv.address, key, 0, 1, connect_timeout_s=5, on_lost=lambda: lost.append(1))
     srv.close()
     client._beating.join(15)
     assert lost == [1] and not client._beating.is_alive()
@@ -88,8 +90,8 @@ def test_two_servers_in_one_process_keep_their_own_runs(tmp_path) -> None:
     first = ControlServer(1, {"run": 1}, "127.0.0.1", 0, key)
     second = ControlServer(1, {"run": 2}, "127.0.0.1", 0, key)
     try:
-        a = ControlClient(*first.address, key, 0, 1, "n", connect_timeout_s=5)
-        b = ControlClient(*second.address, key, 0, 1, "n", connect_timeout_s=5)
+        a = ControlClient(*first.address, key, 0, 1, connect_timeout_s=5)
+        b = ControlClient(*second.address, key, 0, 1, connect_timeout_s=5)
         assert (a.opts, b.opts) == ({"run": 1}, {"run": 2})
         a.close()
         b.close()

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.mooncake, pytest.mark.timeout(30
 pytest.importorskip("megatron.core")
 pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda + libibverbs1)")
 
-from gyre_megatron.testing import feed_in_bursts, make_items  # noqa: E402
+from gyre_megatron.testing import feed_in_bursts, make_items, wait_claimed  # noqa: E402
 
 DATA_TIMEOUT_S = 5.0
 
@@ -43,12 +43,6 @@ def sides(tmp_path_factory):
         shutdown_worlds()
 
 
-def _wait_claimed(q, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while q.unclaimed() > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
     from gyre_core.interfaces import TrainingSide
 
@@ -65,7 +59,7 @@ def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
     s0.start_step(0)
     for it in items[:3]:
         q.put(it)
-    _wait_claimed(q)
+    wait_claimed(q)
     s1.join_step(0)
     time.sleep(0.5)
     feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
@@ -83,7 +77,7 @@ def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
     s1.join_step(1)
     for it in items[:3]:
         q.put(it)
-    _wait_claimed(q)
+    wait_claimed(q)
     s2.join_step(1)
     time.sleep(0.5)
     feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
@@ -132,7 +126,7 @@ def test_dead_satellite_fails_step_cleanly_and_survivors_finish_batch(sides) -> 
     s0.start_step(3)
     for it in items[:2]:
         q.put(it)
-    _wait_claimed(q)
+    wait_claimed(q)
     s1.join_step(3)
     time.sleep(0.3)
     sat_ticket = w.submit([2], "run_step", 3, s2._queue_index(3), False, 2)

@@ -66,11 +66,10 @@ class _Hub:
         self.results: queue.Queue[Any] = queue.Queue()
         self.microsteps: dict[int, MicroStepQueue[Any]] = {}
         self.beats: dict[int, float] = {}
-        self.nodes: dict[int, str] = {}
         self.refused: list[str] = []
         self.lock = threading.Lock()
 
-    def hello(self, rank: int, world_size: int, node: str) -> Any:
+    def hello(self, rank: int, world_size: int) -> Any:
         """A rank reports in; returns the run's rank options (or refuses a wrong world)."""
         why = None
         if world_size != self.size:
@@ -82,7 +81,6 @@ class _Hub:
                 self.refused.append(why)  # the orchestrator fails its wait with this, at once
             raise ValueError(why)
         with self.lock:
-            self.nodes[rank] = node
             self.beats[rank] = time.monotonic()
         return self.opts
 
@@ -164,7 +162,7 @@ class ControlServer:
 class ControlClient:
     """A rank's end: connect, report in, and keep beating until :meth:`close`."""
 
-    def __init__(self, host: str, port: int, key: bytes, rank: int, world_size: int, node: str,
+    def __init__(self, host: str, port: int, key: bytes, rank: int, world_size: int,
                  connect_timeout_s: float = 120.0, on_lost: Callable[[], None] | None = None) -> None:
         """``on_lost`` is called once when beats have failed for 5 s (the orchestrator is gone);
         a rank process passes one that exits, so nothing outlives its orchestrator."""
@@ -184,7 +182,7 @@ class ControlClient:
         # One proxy, one connection per thread (the stdlib keeps them thread-local): a beat is a
         # message on an open connection, not a new one.
         self._hub = self._manager.hub()
-        self.opts = self._hub.hello(rank, world_size, node)  # raises the hub's ValueError if refused
+        self.opts = self._hub.hello(rank, world_size)  # raises the hub's ValueError if refused
         self.cmd = self._manager.cmd_queue(rank)
         self.engine_cmd = self._manager.engine_queue(rank)
         self.results = self._manager.results()

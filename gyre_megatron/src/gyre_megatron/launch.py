@@ -110,6 +110,14 @@ class _Ranks:
             raise RankError("\n".join(errors))
         return out
 
+    def _join(self, timeout: float) -> None:
+        """Wait for every rank's start-up answer; stop what was started if one never comes."""
+        try:
+            self.info = self._collect(Ticket(tuple(range(self.size)), -1), timeout)
+        except BaseException:
+            self.close()
+            raise
+
     def alloc_queue(self) -> int:
         """Index of a micro-step queue nobody used yet (one per step or redo)."""
         i = self._next_queue
@@ -148,11 +156,7 @@ class World(_Ranks):
         ]
         for p in self.procs:
             p.start()
-        try:
-            self.info = self._collect(Ticket(tuple(range(self.size)), -1), start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        self._join(start_timeout_s)
 
     def _send(self, rank: int, message: tuple[Any, ...]) -> None:
         self._cmd[rank].put(message)
@@ -244,14 +248,10 @@ class ClusterWorld(_Ranks):
                         f"-m gyre_megatron.worker")
         if announce is not None:
             announce(f"waiting for {self.size} rank(s) to join; on each node run: {self.command}")
-        try:
-            self.info = self._collect(Ticket(tuple(range(self.size)), -1), join_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        self._join(join_timeout_s)
 
     def _send(self, rank: int, message: tuple[Any, ...]) -> None:
-        self.server.hub.cmd[rank].put(message)
+        self.server.hub.cmd[rank].put(pickle.dumps(message))  # by value (see runtime.serve_rank)
 
     def _receive(self, timeout: float) -> tuple[int, int, bool, Any]:
         r, seq, ok, payload = self.server.hub.results.get(timeout=timeout)
@@ -283,7 +283,7 @@ class ClusterWorld(_Ranks):
     def close(self, timeout: float = 10.0) -> None:
         for r in range(self.size):
             self.server.hub.engine_cmd[r].put((-2, "exit", (), {}))
-            self.server.hub.cmd[r].put((-2, "exit", (), {}))
+            self._send(r, (-2, "exit", (), {}))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(self.server.seen_within(r, 1.5) for r in self.server.joined()):
             time.sleep(0.25)  # ranks stop beating as they exit

@@ -21,6 +21,7 @@ broadcast to the satellites that stay for the next step of the burst.
 from __future__ import annotations
 
 import os
+import pickle
 import time
 import traceback
 from dataclasses import dataclass
@@ -428,17 +429,18 @@ def worker_main(
 
 
 def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queues: Sequence[Any], cmd_q: Any,
-               res_q: Any, encode: Any = None) -> None:
+               res_q: Any, wire: bool = False) -> None:
     """Init gloo, build the rank, serve commands from ``cmd_q`` until ``exit``.
 
-    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``; ``encode`` (if given) turns each
-    payload into what may cross the wire (a rank on another node pickles tensors by value)."""
+    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``. With ``wire`` (a rank reached over
+    TCP) commands arrive and payloads leave pickled by value: a tensor handed over as a handle to
+    one machine's shared memory cannot be opened by another process's key, let alone node."""
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     torch.set_num_threads(1)
-    enc = encode or (lambda x: x)
+    enc = pickle.dumps if wire else (lambda x: x)
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=opts.store_timeout_s))
@@ -448,7 +450,8 @@ def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queue
         res_q.put((rank, -1, False, traceback.format_exc()))
         return
     while True:
-        seq, name, args, kwargs = cmd_q.get()
+        message = cmd_q.get()
+        seq, name, args, kwargs = pickle.loads(message) if wire else message
         if name == "exit":
             break
         try:

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["feed_in_bursts", "free_port", "make_items", "make_microsteps", "start_torchrun_nodes", "stop_nodes"]
+__all__ = ["feed_in_bursts", "free_port", "make_items", "make_microsteps", "start_torchrun_nodes", "stop_nodes",
+           "wait_claimed"]
 
 
 def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -60,6 +61,13 @@ def make_microsteps(n: int, rows: int = 2, seq_len: int = 16, vocab: int = 128, 
             packed.append(TrainingRow(row, i * rows + j, 1.0, weights))
         out.append(MicroStep(0, i, (Pack(tuple(packed), n_exec),)))
     return out
+
+
+def wait_claimed(q: Any, timeout: float = 30.0) -> None:
+    """Wait (bounded) until every item put into ``q`` has been claimed by some cell."""
+    deadline = time.monotonic() + timeout
+    while q.unclaimed() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def feed_in_bursts(q: Any, items: Sequence[Any], burst: int, gap_s: float, close: bool = True) -> threading.Thread:

@@ -92,15 +92,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"${name} is not set: start this module with torchrun")
     host, _, port = args.control.rpartition(":")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    client = ControlClient(host, int(port), read_key(args.key_file), rank, world, socket.getfqdn(),
+    client = ControlClient(host, int(port), read_key(args.key_file), rank, world,
                            connect_timeout_s=args.connect_timeout, on_lost=_lost(rank))
     engines = threading.Thread(target=_serve_engines, args=(client,), name="gyre-engines")
     engines.start()  # lives as long as the rank: engines it starts die with it (PR_SET_PDEATHSIG)
     from gyre_megatron.runtime import serve_rank
 
     try:
-        serve_rank(rank, world, "env://", client.opts, client.queues, client.cmd, client.results,
-                   encode=pickle.dumps)
+        serve_rank(rank, world, "env://", client.opts, client.queues, client.cmd, client.results, wire=True)
     except (EOFError, ConnectionError, BrokenPipeError) as e:
         print(f"gyre-megatron-worker rank {rank}: lost the orchestrator ({e})", file=sys.stderr)
         os._exit(3)

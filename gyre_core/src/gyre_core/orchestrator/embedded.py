@@ -209,12 +209,9 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
             "start_timeout_s": cfg.serving.start_timeout_s}
 
-    async def start(i: int) -> Any:
-        e = await asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
-                                    {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
-        return e
-
-    started = await asyncio.gather(*(start(i) for i in range(k)))
+    started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
+                                                       {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
+                                     for i in range(k)))
     say(f"engines ready after {time.monotonic() - t0:.0f} s")
 
     service = ProxyService(ChatRenderer(tokenizer), ProxyConfig(

@@ -160,7 +160,6 @@ class LiveOrchestrator:
         self._role_since = [(("rollout"), 0.0)] * len(self.cells)
         self.role_switches: list[dict[str, Any]] = []
         self.step_records: list[dict[str, Any]] = []
-        self.staleness: list[int] = []
 
     # ------------------------------------------------------------------ clock, events, tasks
 
@@ -295,7 +294,6 @@ class LiveOrchestrator:
             elif isinstance(cmd, ev.AssignGroup):
                 steps[cmd.step]["groups"].append(cmd.group_id)
                 steps[cmd.step]["staleness"].append(cmd.staleness)
-                self.staleness.append(cmd.staleness)
                 self._account_group(cmd.group_id, "assigned")
             elif isinstance(cmd, ev.CloseStream):
                 steps[cmd.step]["closed"] = True
@@ -475,7 +473,6 @@ class LiveOrchestrator:
             st.packing.assign(cmd.group_id)
             st.groups.append(cmd.group_id)
             st.staleness.append(cmd.staleness)
-            self.staleness.append(cmd.staleness)
         elif isinstance(cmd, ev.CloseStream):
             st = self._steps[cmd.step]
             st.packing.close()
