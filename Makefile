@@ -4,9 +4,10 @@
 VENV := .venv
 
 setup:
-	./scripts/setup.sh
+	./scripts/setup.sh test
 
-run: setup
+run:
+	./scripts/setup.sh run
 	$(VENV)/bin/gyre-orchestrate run
 
 test: setup

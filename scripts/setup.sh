@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Create (or bring up to date) the development environment in .venv/ at the repository root:
-# the three Gyre distributions installed editable plus the test tools. Idempotent: when nothing
-# that affects the installation changed since the last successful run, it returns at once.
+# first the system packages the job and tests load (scripts/system-deps.sh: installed when root or
+# password-less sudo allows, else a one-message stop that names them), then the three Gyre
+# distributions installed editable plus the test tools. Idempotent: when nothing that affects the
+# installation changed since the last successful run, it returns at once.
 #
+#   setup.sh [run|test]        what the environment is for (default test: also Node.js for the
+#                              Claude Code tests)
 #   PYTHON=/path/to/python3.x  interpreter for a new .venv/ (default: python3.11, else python3)
 #   GYRE_SETUP_FORCE=1         reinstall even if .venv/ looks up to date
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/system-deps.sh "${1:-test}"
 VENV=.venv
 STAMP="$VENV/.gyre-setup-stamp"
 PIP_QUIET=(--quiet --disable-pip-version-check)
@@ -57,7 +62,10 @@ PY
 )
 
 if [ -z "${GYRE_SETUP_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$fingerprint" ] &&
-    "$VENV/bin/python" -c 'import gyre_core, gyre_megatron, gyre_sglang, pytest, sglang' 2>/dev/null; then
+    "$VENV/bin/python" -c '
+import importlib.util, sys
+import gyre_core, gyre_megatron, gyre_sglang, pytest  # light; sglang is only located (importing it takes seconds)
+sys.exit(any(importlib.util.find_spec(m) is None for m in ("sglang", "mooncake", "megatron.core")))' 2>/dev/null; then
     exit 0
 fi
 

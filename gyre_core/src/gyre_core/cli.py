@@ -233,8 +233,16 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, overrides)
 
     from gyre_core.orchestrator.embedded import run_live
+    from gyre_core.orchestrator.failure import RunError
 
-    summary = run_live(cfg)
+    try:
+        summary = run_live(cfg)
+    except RunError as exc:
+        print(f"gyre-orchestrate: run failed: {exc.causes[0] if exc.causes else exc}", file=sys.stderr)
+        for line in exc.causes[1:]:
+            print(f"  caused by: {line}", file=sys.stderr)
+        print(f"gyre-orchestrate: full tracebacks in {exc.error_log}", file=sys.stderr)
+        return 1
     if args.json_summary:
         print(json.dumps(summary))
     else:

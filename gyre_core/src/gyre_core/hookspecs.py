@@ -178,3 +178,18 @@ def gyre_on_event(time: float, event: object) -> None:
     Observers dispatch on the type of ``event``. They must be quick and must not raise (the call is
     on the scheduling path); anything slow belongs in a queue the observer drains itself.
     """
+
+
+@hookspec
+def gyre_preflight(config: Mapping[str, Any]) -> list[str] | None:
+    """Say what this plugin's part of a run would fail to load, before anything starts. Broadcast.
+
+    Called by ``gyre-orchestrate run`` (:mod:`gyre_core.orchestrator.preflight`) with the validated
+    run configuration as a plain dict (``RunConfig.as_dict()``), before any process is started, so
+    that a missing library fails in seconds with its cause instead of minutes later inside a rank.
+    Check what the configured run will actually load (import it, or locate it when an import
+    would be heavy) and nothing else; never start a process.
+
+    Return one line per problem, each naming what is missing and how to install it (``[]`` or
+    ``None`` when all is well or the configuration is not this plugin's).
+    """

@@ -34,3 +34,12 @@ def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> Any:
     from gyre_megatron.side import MegatronTrainingSide
 
     return MegatronTrainingSide(cell, options)
+
+
+@hookimpl
+def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
+    """What the training side of ``config`` would fail to load: megatron-core, and Mooncake's
+    transfer engine wherever a satellite can join (it pulls the core's weights over it)."""
+    from gyre_megatron.preflight import training_side_problems
+
+    return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)))

@@ -57,3 +57,24 @@ def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> Any:
     from gyre_sglang.client import SGLangClient
 
     return SGLangClient(url, **{k: options[k] for k in ("timeout", "generate_timeout") if k in options})
+
+
+@hookimpl
+def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
+    """The engines of a run need SGLang importable at the supported release (located, not
+    imported: importing it takes seconds and is the engine process's job)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return [f"SGLang: not installed (pip install 'sglang{SUPPORTED_SGLANG}'; on a machine without CUDA "
+                "use gyre_sglang/install/install-sglang-cpu.sh)"]
+    try:
+        version("sglang")
+    except PackageNotFoundError:
+        return ["SGLang: importable but not installed as a distribution (reinstall it with pip)"]
+    return []

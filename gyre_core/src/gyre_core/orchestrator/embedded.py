@@ -28,6 +28,8 @@ from gyre_core.interfaces import WeightsRef
 from gyre_core.config import ConfigError
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator
+from gyre_core.orchestrator.failure import RunError, cause_lines, write_error_log
+from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.watchdog import EngineWatchdog
 
@@ -136,6 +138,7 @@ def run_live(
     if pm.hook.gyre_task_instance(task=cfg.task.name, group_id=0, seed=cfg.run.seed,
                                   options=dataclasses.asdict(cfg.task)) is None:
         raise ConfigError(f"task.name: no installed plugin provides task {cfg.task.name!r}")
+    check_preflight(cfg, pm)  # before any process starts: every part loadable, or one line each
     out = Path(cfg.run.out_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg.run.out_dir = str(out)
     journal_path = out / JOURNAL
@@ -151,6 +154,14 @@ def run_live(
     t0 = time.monotonic()
     try:
         return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started, replay))
+    except Exception as exc:  # one line per cause for the console; every traceback to error.log
+        causes = cause_lines(exc)
+        error_log = write_error_log(out, exc)
+        summary_path = out / "summary.json"
+        with contextlib.suppress(OSError):
+            summary_path.write_text(json.dumps({"status": "failed", "causes": causes, "error_log": str(error_log),
+                                                "wall_s": round(time.monotonic() - t0, 2)}, indent=1))
+        raise RunError(causes, error_log) from exc
     finally:
         for e in engines:
             with contextlib.suppress(Exception):
@@ -259,6 +270,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     summary["executions"] = summary_at_stop["executions"]
     summary["engine_restarts"] = [dataclasses.asdict(r) for r in orch.watchdog.restarts]
     summary["wall_s"] = round(time.monotonic() - t0, 2)
+    summary["status"] = "ok"
     _write_outputs(out, orch, summary, cfg)
     return summary
 
