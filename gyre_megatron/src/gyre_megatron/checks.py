@@ -81,6 +81,27 @@ class RankChecks:
             self.transport.release()
 
     # ------------------------------------------------------------------ export test
+    def grads_hf(self) -> dict[str, Any]:
+        """This stage's accumulated gradients under HF Qwen2 names (the export's mapping)."""
+        from gyre_megatron.export import megatron_to_hf
+
+        per_stage = self.opts.spec.num_layers // self.opts.pp
+        state = {n: p.main_grad for n, p in self.ddp.module.named_parameters()}
+        return {k: v.detach().clone().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+
+    def stream_grads_hf(self, queue_idx: int) -> dict[str, Any]:
+        """Cell-local: stream the queue through the pipeline, return the gradients (HF names)
+        and, on the last stage, the objective's figures; applies no update, leaves no grads."""
+        from gyre_megatron.runtime import objective_figures
+
+        self.zero_grads()
+        res = self._stream(self._control(queue_idx))
+        out: dict[str, Any] = {"grads": self.grads_hf(), "micro_steps": res.micro_steps}
+        if self.rank == self.last:
+            out["objective"] = objective_figures(res.losses)
+        self.zero_grads()
+        return out
+
     def logits(self, tokens: torch.Tensor) -> Any:
         """Core, PP = 1 only: the model's logits for ``tokens`` ([1, S]) (export test)."""
         assert self.opts.pp == 1

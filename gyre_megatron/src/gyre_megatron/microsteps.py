@@ -1,13 +1,18 @@
-"""The data plane's micro-steps as megatron GPT inputs.
+"""The data plane's micro-steps as megatron GPT inputs, carrying what the GSPO loss needs.
 
 A :class:`gyre_core.dataplane.packing.MicroStep` holds, per data-parallel rank, a pack of whole
-rows (token ids and per-token objective weights ``W_t``). The rows of a pack become the batch
-dimension, right-padded to the longest row, so each row attends only to itself with the plain
-causal mask (packed-sequence attention across row boundaries needs TransformerEngine's THD
-kernels, which the CPU local spec lacks). Position ``t`` predicts token ``t+1`` of its row, so
-its loss weight is ``W_{t+1}``; padding and context tokens weigh 0. The result is the same item
-format as the tests' synthetic rows, so the streaming schedule and the per-token loss need no
-special case: the loss is ``Σ W_t · (−log π(token_t))``, additive over micro-steps.
+rows: token ids, the objective's per-token weights ``W_t``, the behaviour log-probs, and each
+row's execution slot and advantage. The rows of a pack become the batch dimension, right-padded to
+the longest row, so each row attends only to itself with the plain causal mask (packed-sequence
+attention across row boundaries needs TransformerEngine's THD kernels, which the CPU local spec
+lacks). Position ``t`` predicts token ``t+1`` of its row, so every per-token field is shifted by
+one (``W_{t+1}``, ``log π_b(t+1)``); padding and context tokens weigh 0.
+
+The loss is the core's objective, :func:`gyre_core.dataplane.objective.microstep_objective`
+(called by :func:`gyre_megatron.model.gpt_forward_step` on the last pipeline stage with the
+current log-probs): additive over micro-steps and cells, already normalised per execution, so
+the trainer must not divide by the token count (``RankOptions.normalise_by_tokens = False``).
+Items without ``advantages`` (the tests' synthetic rows) keep the plain per-token loss.
 """
 
 from __future__ import annotations
@@ -16,28 +21,43 @@ from typing import Any
 
 import torch
 
-__all__ = ["microstep_to_item"]
+__all__ = ["as_item", "microstep_to_item"]
 
 
-def microstep_to_item(ms: Any, dp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """``{tokens, labels, loss_mask, index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``."""
-    rows = ms.packs[dp_rank].rows
+def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """``{tokens, labels, loss_mask, behaviour_logprobs, advantages, exec_slots, n_executions,
+    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the GSPO settings
+    ``(token_weight_cap, clip_low, clip_high)`` (the paper's by default)."""
+    pack = ms.packs[dp_rank]
+    rows = pack.rows
     if not rows:
         raise ValueError(f"micro-step {ms.index}: data-parallel rank {dp_rank} has an empty pack")
     width = max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
-    labels = torch.zeros(len(rows), width, dtype=torch.int64)
-    weights = torch.zeros(len(rows), width, dtype=torch.float32)
+    shape = (len(rows), width)
+    tokens = torch.zeros(shape, dtype=torch.int64)
+    labels = torch.zeros(shape, dtype=torch.int64)
+    weights = torch.zeros(shape, dtype=torch.float32)
+    behaviour = torch.zeros(shape, dtype=torch.float32)
+    advantages = torch.zeros(shape, dtype=torch.float32)
+    slots = torch.zeros(shape, dtype=torch.int64)
     for i, r in enumerate(rows):
         n = len(r)
         tokens[i, :n] = r.row.token_ids
         labels[i, : n - 1] = r.row.token_ids[1:]
         weights[i, : n - 1] = r.loss_weights[1:].float()
-    return {"tokens": tokens, "labels": labels, "loss_mask": weights, "index": torch.tensor(ms.index)}
+        behaviour[i, : n - 1] = r.row.behaviour_logprobs[1:].float()
+        advantages[i, :] = float(r.advantage)
+        slots[i, :] = int(r.exec_slot)
+    item: dict[str, Any] = {"tokens": tokens, "labels": labels, "loss_mask": weights,
+                            "behaviour_logprobs": behaviour, "advantages": advantages, "exec_slots": slots,
+                            "n_executions": torch.tensor(int(pack.n_executions)), "index": torch.tensor(ms.index)}
+    if objective is not None:
+        item["objective"] = torch.tensor(objective, dtype=torch.float64)
+    return item
 
 
-def as_item(obj: Any) -> Any:
+def as_item(obj: Any, objective: tuple[float, float, float] | None = None) -> Any:
     """Claimed queue entries as schedule items: micro-steps converted, anything else as is."""
     if obj is not None and hasattr(obj, "packs") and hasattr(obj, "index"):
-        return microstep_to_item(obj)
+        return microstep_to_item(obj, objective=objective)
     return obj

@@ -126,10 +126,39 @@ def _per_token_loss(
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone()}
 
 
+def _gspo_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The core's objective on this micro-step (last pipeline stage): ``output_tensor`` is
+    Megatron's per-token cross-entropy ``−log π(label)``, so the current log-probs are its
+    negation, with gradient."""
+    from gyre_core.dataplane.objective import GSPOConfig, TokenBatch, microstep_objective
+
+    logprobs = -output_tensor.float().reshape(-1)
+    labels = item["labels"].reshape(-1)
+    batch = TokenBatch(
+        token_ids=labels, cu_seqlens=torch.tensor([0, len(labels)]),
+        loss_weights=item["loss_mask"].reshape(-1).float(),
+        behaviour_logprobs=item["behaviour_logprobs"].reshape(-1).float(),
+        advantages=item["advantages"].reshape(-1).float(),
+        exec_slots=item["exec_slots"].reshape(-1),
+        n_executions=int(item["n_executions"]),
+    )
+    knobs = item.get("objective")
+    config = GSPOConfig(*map(float, knobs.tolist())) if knobs is not None else GSPOConfig()
+    loss, stats = microstep_objective(logprobs, batch, config)
+    n = (batch.loss_weights > 0).sum().to(torch.int)
+    return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone(), **stats}
+
+
 def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
-    """Megatron forward-step function for an item ``{tokens, labels, loss_mask}`` ([rows, S])."""
+    """Megatron forward-step function for an item ``{tokens, labels, loss_mask, ...}`` ([rows, S]).
+
+    Data-plane items (they carry ``advantages``) are trained on the GSPO objective; plain items
+    on the per-token loss ``Σ mask · (−log π)``."""
     item = next(data_iterator)
     tokens = item["tokens"]
     position_ids = torch.arange(tokens.shape[1]).unsqueeze(0)
     out = model(tokens, position_ids, None, labels=item["labels"])
+    if "advantages" in item:
+        return out, partial(_gspo_loss, item)
     return out, partial(_per_token_loss, item["loss_mask"])

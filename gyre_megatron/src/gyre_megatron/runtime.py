@@ -70,6 +70,8 @@ class RankOptions:
     normalise_by_tokens: bool = True
     """Divide the summed gradient by the batch's loss-bearing tokens (plain per-token losses);
     off for the data plane's weights ``W_t``, which already normalise per execution."""
+    objective: tuple[float, float, float] = (5.0, 0.005, 0.005)
+    """GSPO settings for data-plane micro-steps: token weight cap, clip_low, clip_high."""
 
 
 class CellRank(RankChecks):
@@ -145,7 +147,7 @@ class CellRank(RankChecks):
                 from gyre_megatron.microsteps import as_item
 
                 q = self.queues[queue_idx]
-                claim = lambda t: as_item(q.claim(t))  # noqa: E731
+                claim = lambda t: as_item(q.claim(t), tuple(self.opts.objective))  # noqa: E731
             else:
                 it = iter(list(items or []))
                 claim = lambda _t: next(it, None)  # noqa: E731
@@ -285,6 +287,8 @@ class CellRank(RankChecks):
             control.claim = claim
         res = self._stream(control)
         info.update(micro_steps=res.micro_steps, pauses=res.pauses, claimed=control.claimed)
+        if self.rank == self.last:
+            info["objective"] = objective_figures(res.losses)
         # token count of this cell, from its last stage to every stage
         box = [res.tokens]
         dist.broadcast_object_list(box, src=self.last, group=self.side_group)
@@ -377,6 +381,8 @@ class CellRank(RankChecks):
             dist.all_reduce(total, group=self.prefix[m])
         info = {"rank": self.rank, "cell": self.cell, "micro_steps": res.micro_steps,
                 "claimed": control.claimed, "m": m}
+        if self.rank == self.last:
+            info["objective"] = objective_figures(res.losses)
         return self._finish(step, float(total), final, m, info)
 
     def _finish(self, step: int, total: float, final: bool, m: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -405,6 +411,22 @@ class CellRank(RankChecks):
         else:  # a satellite leaving after the burst's last step keeps stale weights
             self.version = step + 1 if self.is_core else -1
         return info
+
+
+def objective_figures(losses: Sequence[Any]) -> dict[str, float]:
+    """This cell's share of a step's training figures, from the loss function's per-micro-step
+    outputs (last stage): sums, except ``ratio_max``. Plain items contribute ``loss_sum`` and
+    ``tokens`` only."""
+    out = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "ratio_max": 0.0, "tokens": 0.0}
+    for d in losses:
+        if not isinstance(d, dict):
+            continue
+        out["loss"] += float(d.get("loss", d.get("loss_sum", 0.0)))
+        out["tokens"] += float(d.get("tokens", 0.0))
+        for k in ("executions", "clipped", "ratio_sum"):
+            out[k] += float(d.get(k, 0.0))
+        out["ratio_max"] = max(out["ratio_max"], float(d.get("ratio_max", 0.0)))
+    return out
 
 
 def _owned(obj: Any) -> Any:

@@ -44,6 +44,7 @@ def _world_for(options: Mapping[str, Any]) -> Any:
                 side_timeout_s=float(options.get("side_timeout_s", 60.0)),
                 heartbeat_s=float(options.get("heartbeat_s", 0.5)),
                 normalise_by_tokens=bool(options.get("normalise_by_tokens", True)),
+                objective=tuple(float(x) for x in options.get("objective", (5.0, 0.005, 0.005))),  # type: ignore[arg-type]
             )
             n_queues = int(options.get("max_steps", 16))
             launcher = str(options.get("launcher", "local"))

@@ -124,3 +124,53 @@ def stop_nodes(procs: list[subprocess.Popen[bytes]], grace: float = 20.0) -> lis
             pass
         p.wait()
     return codes
+
+
+def make_gspo_microsteps(hf: Any, offsets: Sequence[float], advantages: Sequence[float], execs_per_step: int = 2,
+                         rows_per_exec: int = 2, seq_len: int = 16, vocab: int = 128, seed: int = 0,
+                         spike: dict[int, float] | None = None) -> list[Any]:
+    """Data-plane micro-steps for GSPO checks, one pack each, every execution whole in its pack
+    (as the stream packer keeps them). Execution ``e`` has ``rows_per_exec`` rows of a context
+    prefix then sampled tokens; its behaviour log-probs are ``hf``'s own (float64) minus
+    ``offsets[e]``, so its execution ratio is exactly ``exp(offsets[e])`` under those weights;
+    ``spike[e]`` adds that much more to the first sampled token's ``δ`` (to reach the cap)."""
+    from gyre_core.dataplane.materialise import TrainingRow
+    from gyre_core.dataplane.packing import MicroStep, Pack
+    from gyre_core.interfaces import RoleClass
+    from gyre_core.trajectory import NO_RESPONSE, TrajectoryRow
+
+    n_exec = len(offsets)
+    assert len(advantages) == n_exec and n_exec % execs_per_step == 0
+    g = torch.Generator().manual_seed(seed)
+    spike = dict(spike or {})
+    rows_of: list[list[Any]] = []
+    for e in range(n_exec):
+        rows = []
+        sampled = 0
+        specs = []
+        for j in range(rows_per_exec):
+            length = seq_len if j == 0 else int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
+            specs.append((length, length // 2))
+            sampled += length - length // 2
+        for j, (length, ctx) in enumerate(specs):
+            tokens = torch.randint(0, vocab, (length,), generator=g)
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(tokens[None]).logits[0].double(), -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
+            lp = torch.cat([torch.zeros(1, dtype=torch.float64), lp])
+            mask = torch.zeros(length, dtype=torch.bool)
+            mask[ctx:] = True
+            delta = torch.full((length,), float(offsets[e]), dtype=torch.float64)
+            if j == 0 and e in spike:
+                delta[ctx] += spike[e]
+            behaviour = torch.where(mask, lp - delta, torch.zeros(length, dtype=torch.float64)).float()
+            rid = torch.full((length,), NO_RESPONSE, dtype=torch.int64)
+            rid[ctx:] = 1000 * e + j
+            row = TrajectoryRow(e, e // execs_per_step, RoleClass.MAIN_AGENT_TASK, tokens, mask, behaviour, rid)
+            weights = torch.where(mask, torch.full((length,), 1.0 / (n_exec * sampled)), torch.zeros(length))
+            rows.append(TrainingRow(row, e, float(advantages[e]), weights))
+        rows_of.append(rows)
+    out = []
+    for i in range(n_exec // execs_per_step):
+        packed = tuple(r for e in range(i * execs_per_step, (i + 1) * execs_per_step) for r in rows_of[e])
+        out.append(MicroStep(0, i, (Pack(packed, n_exec),)))
+    return out

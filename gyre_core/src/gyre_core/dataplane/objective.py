@@ -45,6 +45,7 @@ __all__ = [
     "group_advantages",
     "gspo_loss",
     "log_ratio_sums",
+    "microstep_objective",
     "target_logprobs",
 ]
 
@@ -154,3 +155,42 @@ def gspo_loss(
     token_weight = torch.exp(_deltas(logprobs.detach(), batch)).clamp(max=config.token_weight_cap)
     surrogate = token_weight * torch.exp(logprobs - logprobs.detach())
     return -(w * torch.where(clipped, 0.0, adv) * surrogate).sum()
+
+
+def microstep_objective(
+    logprobs: torch.Tensor, batch: TokenBatch, config: GSPOConfig = GSPOConfig()
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss share of one pack whose executions are whole inside it, and its figures.
+
+    The stream packer keeps every row of an execution in one pack whenever they fit the token
+    budget together (:class:`gyre_core.dataplane.packing.StreamPackingBuffer`), so the execution
+    ratios ``s_e`` are complete within the pack and a trainer needs no pass over the rest of the
+    batch before it can take a gradient: this is :func:`gspo_loss` with ``ratio_sums`` from the
+    pack itself. (An execution too long for one pack is split by the packer; its ratio is then
+    taken over the part in each pack.)
+
+    The figures (detached, additive over packs except ``ratio_max``): ``loss``; ``executions``
+    and ``clipped`` (executions with a trainable token here, and those whose ``s_e`` left the
+    bounds in the direction of their advantage); ``ratio_sum``, ``ratio_max`` and ``tokens`` over
+    the weighted tokens' raw ratios ``π/π_b``.
+    """
+    sums = log_ratio_sums(logprobs, batch)
+    loss = gspo_loss(logprobs, batch, sums, config)
+    with torch.no_grad():
+        present = sums[1] > 0
+        log_s = torch.where(present, sums[0] / sums[1].clamp_min(torch.finfo(sums.dtype).tiny), 0.0)
+        s = torch.exp(log_s)
+        adv = torch.zeros(batch.n_executions, dtype=sums.dtype, device=sums.device)
+        adv.index_reduce_(0, batch.exec_slots, batch.advantages.to(sums.dtype), "amax", include_self=False)
+        clipped = present & (((adv > 0) & (s > 1 + config.clip_high)) | ((adv < 0) & (s < 1 - config.clip_low)))
+        weighted = batch.loss_weights > 0
+        ratio = torch.exp(_deltas(logprobs.detach(), batch))[weighted]
+        stats = {
+            "loss": loss.detach().to(torch.float64),
+            "executions": present.sum().to(torch.float64),
+            "clipped": clipped.sum().to(torch.float64),
+            "ratio_sum": ratio.to(torch.float64).sum(),
+            "ratio_max": ratio.max().to(torch.float64) if len(ratio) else torch.zeros((), dtype=torch.float64),
+            "tokens": weighted.sum().to(torch.float64),
+        }
+    return loss, stats

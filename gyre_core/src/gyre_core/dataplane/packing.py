@@ -14,8 +14,11 @@ events, so the live orchestrator only forwards them:
   close the queue once its micro-steps are enqueued.
 
 Packing: a micro-step holds one pack per data-parallel rank, each at most ``token_budget`` tokens
-(trainable and context). A pack is filled best-fit decreasing: start with the longest pooled row,
-then repeatedly add the longest row that still fits. Before the stream closes a micro-step is only
+(trainable and context). The unit of packing is an execution: all its rows go into one pack, so
+the objective's execution ratio is complete there and a trainer can take each micro-step's
+gradient as it arrives (:func:`gyre_core.dataplane.objective.microstep_objective`); only an
+execution whose rows together exceed the budget is split, row by row. A pack is filled best-fit
+decreasing: start with the longest pooled unit, then repeatedly add the longest that still fits. Before the stream closes a micro-step is only
 emitted if every pack is at least ``min_fill`` full -- short auxiliary rows of later groups fill
 the gaps -- unless the pool already holds ``max_pending_micro_steps`` worth of tokens, so a pool of
 rows that cannot pack well never stalls training. Rows are never split: a row longer than the
@@ -148,39 +151,61 @@ class MicroStep:
         return sum(p.tokens for p in self.packs)
 
 
+_Unit = tuple[TrainingRow, ...]
+"""Rows that go into one pack together: all rows of one execution (or one row of an execution
+too long for a pack)."""
+
+
 class _RowPool:
-    """Rows sorted by length, for best-fit packing."""
+    """Packing units sorted by length, for best-fit packing."""
 
     def __init__(self) -> None:
         self._keys: list[tuple[int, int]] = []  # (length, arrival), ascending
-        self._rows: list[TrainingRow] = []
+        self._units: list[_Unit] = []
         self._arrival = itertools.count()
         self.tokens = 0
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._units)
 
-    def add(self, row: TrainingRow) -> None:
-        key = (len(row), next(self._arrival))
+    def add(self, unit: _Unit) -> None:
+        length = sum(len(r) for r in unit)
+        key = (length, next(self._arrival))
         i = bisect.bisect(self._keys, key)
         self._keys.insert(i, key)
-        self._rows.insert(i, row)
-        self.tokens += len(row)
+        self._units.insert(i, unit)
+        self.tokens += length
 
-    def fill(self, budget: int) -> list[TrainingRow]:
-        """Remove and return rows for one pack: longest first, then the longest that still fits."""
-        out: list[TrainingRow] = []
+    def fill(self, budget: int) -> list[_Unit]:
+        """Remove and return units for one pack: longest first, then the longest that still fits."""
+        out: list[_Unit] = []
         room = budget
         while self._keys:
             i = bisect.bisect(self._keys, (room, float("inf"))) - 1
             if i < 0:
                 break
-            self._keys.pop(i)
-            row = self._rows.pop(i)
-            out.append(row)
-            room -= len(row)
-            self.tokens -= len(row)
+            length, _ = self._keys.pop(i)
+            out.append(self._units.pop(i))
+            room -= length
+            self.tokens -= length
         return out
+
+
+def _units(rows: list[TrainingRow], budget: int) -> tuple[list[_Unit], int]:
+    """One unit per execution, so its ratio ``s_e`` is complete in one pack; an execution whose
+    rows together exceed the budget is split into one unit per row. Also: how many were split."""
+    by_exec: dict[int, list[TrainingRow]] = {}
+    for r in rows:
+        by_exec.setdefault(r.exec_slot, []).append(r)
+    out: list[_Unit] = []
+    split = 0
+    for members in by_exec.values():
+        if sum(len(r) for r in members) <= budget:
+            out.append(tuple(members))
+        else:
+            out.extend((r,) for r in members)
+            split += 1
+    return out, split
 
 
 class StreamPackingBuffer:
@@ -205,6 +230,8 @@ class StreamPackingBuffer:
         """Group ids in assignment order (group ``k`` owns execution slots ``k·N .. k·N+N−1``)."""
         self.micro_steps = 0
         self.tokens_emitted = 0
+        self.split_executions = 0
+        """Executions whose rows did not fit one pack together (their ratio is per pack)."""
         self._trajectories = trajectories
         self._queue = queue
         self._pool = _RowPool()
@@ -243,8 +270,10 @@ class StreamPackingBuffer:
             self._trajectories.take(group_id)
             self.assigned.append(group_id)
             self._pulls = max(0, self._pulls - 1)
-            for r in rows:
-                self._pool.add(r)
+            units, split = _units(rows, self.config.token_budget)
+            self.split_executions += split
+            for u in units:
+                self._pool.add(u)
             self._emit(final=False)
 
     def poll_low(self) -> BufferLow | None:
@@ -282,12 +311,13 @@ class StreamPackingBuffer:
             if not forced and self._pool.tokens < c.min_fill * capacity:
                 return
             packs = [self._pool.fill(c.token_budget) for _ in range(c.dp_size)]
-            if not forced and any(sum(map(len, p)) < c.min_fill * c.token_budget for p in packs):
+            if not forced and any(sum(len(r) for u in p for r in u) < c.min_fill * c.token_budget for p in packs):
                 for p in packs:  # not worth a micro-step yet: wait for more rows
-                    for r in p:
-                        self._pool.add(r)
+                    for u in p:
+                        self._pool.add(u)
                 return
-            micro = MicroStep(self.step, self.micro_steps, tuple(Pack(tuple(p), self.n_executions) for p in packs))
+            micro = MicroStep(self.step, self.micro_steps,
+                              tuple(Pack(tuple(r for u in p for r in u), self.n_executions) for p in packs))
             self._queue.put(micro)
             self.micro_steps += 1
             self.tokens_emitted += micro.tokens

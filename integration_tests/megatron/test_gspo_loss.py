@@ -1,0 +1,107 @@
+"""The GSPO objective in Megatron equals the core's reference, on the real multi-process path.
+
+Real megatron-core ranks (gloo), PP = 1 and PP = 2, micro-steps streamed through the cell's
+queue as the live run streams them. The reference is the core's own objective
+(:mod:`gyre_core.dataplane.objective`, batch-wide ratio sums) on HF transformers' Qwen2 holding
+the same weights (the export), in float64. Behaviour log-probs are the reference model's own
+minus a chosen offset per execution, so each execution's ratio ``s_e = exp(offset)`` is known:
+inside the bounds, above them, below them, and with one token past the importance-weight cap.
+
+Tolerance: Megatron runs in float32 against a float64 reference; gradients agree to 1e-5 of
+their largest entry (measured: ~1e-7), the loss to 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+pytest.importorskip("transformers")
+
+from gyre_core.dataplane.objective import GSPOConfig, gspo_loss, log_ratio_sums, target_logprobs  # noqa: E402
+from gyre_megatron.testing import make_gspo_microsteps  # noqa: E402
+
+# Executions 0-7 over 4 micro-steps of 2 executions each. Offsets set s_e = exp(offset):
+#   e0, e1 inside [0.995, 1.005]; e2 above with A > 0 -> clipped; e3 below with A < 0 -> clipped;
+#   e4 above with A < 0 and e5 below with A > 0 -> not clipped (PPO's min keeps the gradient);
+#   e6 inside, one token's ratio e^2.5 > 5 -> capped at 5; e7 zero advantage.
+OFFSETS = [0.001, -0.002, 0.02, -0.03, 0.04, -0.05, 0.0005, 0.003]
+ADVANTAGES = [1.0, -0.5, 1.5, -1.2, -0.8, 0.7, -1.0, 0.0]
+SPIKE = {6: 2.5}
+EXPECTED_CLIPPED = 2
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
+def world(request, tmp_path_factory):
+    from gyre_megatron.export import load_hf_qwen2, publish
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+
+    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=4) as w:
+        ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
+        hf = load_hf_qwen2(ref.location).double()
+        yield w, hf
+
+
+def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig()) -> tuple[float, dict]:
+    hf.zero_grad()
+    batches = [p.to_batch() for m in micro for p in m.packs]
+    lps = []
+    for b in batches:
+        rows = []
+        for k in range(len(b.cu_seqlens) - 1):
+            a, z = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
+            toks = b.token_ids[a:z]
+            rows.append(target_logprobs(hf(toks[None]).logits[0], toks, torch.tensor([0, z - a])))
+        lps.append(torch.cat(rows))
+    sums = sum(log_ratio_sums(lp, b) for lp, b in zip(lps, batches))
+    loss = sum(gspo_loss(lp, b, sums, config) for lp, b in zip(lps, batches))
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().numpy().copy() for n, p in hf.named_parameters() if p.grad is not None}
+
+
+def _megatron(w, micro: list, queue: int) -> tuple[dict, dict]:
+    core = w.ranks_of(0)
+    tk = w.submit(core, "stream_grads_hf", queue)
+    q = w.queues[queue]
+    for m in micro:
+        q.put(m)
+    q.close()
+    res = w.wait(tk, 120)
+    grads = {k: v for r in res for k, v in r["grads"].items()}
+    return grads, res[-1]["objective"]
+
+
+def test_loss_and_gradients_equal_the_float64_reference(world) -> None:
+    w, hf = world
+    micro = make_gspo_microsteps(hf, OFFSETS, ADVANTAGES, spike=SPIKE, seed=3)
+    ref_loss, ref_grads = _reference(hf, micro)
+    grads, fig = _megatron(w, micro, 0)
+    assert set(grads) == set(ref_grads)
+    scale = max(float(np.abs(g).max()) for g in ref_grads.values())
+    worst = max(float(np.abs(grads[n] - ref_grads[n]).max()) for n in ref_grads)
+    print(f"\nGSPO pp{w.opts.pp}: loss Megatron {fig['loss']:.9f} vs ref {ref_loss:.9f}; "
+          f"grad max|diff| {worst:.3g} of max|g| {scale:.3g}; figures {fig}")
+    assert scale > 1e-4
+    assert worst <= 1e-5 * scale, (worst, scale)
+    assert fig["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
+    # what the run reports: executions seen, the clipped ones, the cap-breaking ratio
+    assert fig["executions"] == len(OFFSETS) and fig["clipped"] == EXPECTED_CLIPPED
+    assert fig["ratio_max"] == pytest.approx(np.exp(2.5 + OFFSETS[6]), rel=1e-3)
+
+
+def test_flipped_advantages_flip_the_gradient_and_zero_advantages_give_none(world) -> None:
+    w, hf = world
+    inside = [0.001, -0.001, 0.002, -0.002]  # every ratio inside the bounds: nothing clipped
+    adv = [1.0, -0.5, 0.3, 2.0]
+    g_pos, _ = _megatron(w, make_gspo_microsteps(hf, inside, adv, seed=4), 1)
+    g_neg, _ = _megatron(w, make_gspo_microsteps(hf, inside, [-a for a in adv], seed=4), 2)
+    g_zero, fig0 = _megatron(w, make_gspo_microsteps(hf, inside, [0.0] * 4, seed=4), 3)
+    scale = max(float(np.abs(g).max()) for g in g_pos.values())
+    assert scale > 1e-4
+    for n in g_pos:
+        np.testing.assert_allclose(g_neg[n], -g_pos[n], rtol=0, atol=1e-6 * scale, err_msg=n)
+        assert not np.any(g_zero[n]), n
+    assert fig0["loss"] == 0.0 and fig0["clipped"] == 0
