@@ -57,3 +57,11 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     # harnesses went through the proxy: every trained execution has a workspace with its answer
     answers = list((out / "executions").glob("e*/answer.json"))
     assert len(answers) >= ex["trained"]
+    # the step trained the GSPO objective, and said so: per-step figures in the summary and the event log
+    assert summary["status"] == "ok"
+    for rec in summary["step_records"]:
+        assert rec["tokens"] > 0 and rec["grad_norm"] > 0 and rec["loss"] is not None
+        assert 0.0 <= rec["clip_fraction"] <= 1.0 and rec["ratio_max"] >= rec["ratio_mean"] > 0
+        assert rec["split_executions"] == 0  # every execution's rows fit one pack: exact ratios
+    assert summary["grad_norms"] == [r["grad_norm"] for r in summary["step_records"]]
+    assert [e["step_done"] for e in events if "step_done" in e] == [0, 1, 2]

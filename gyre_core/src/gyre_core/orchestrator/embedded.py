@@ -191,7 +191,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     train_opts = {"cells": k, "pp": cfg.training.pp, "model": spec, "lr": cfg.training.lr,
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
                   "max_steps": cfg.run.steps + 4, "publish_dir": str(out / "weights"),
-                  "step_timeout_s": cfg.training.step_timeout_s}
+                  "step_timeout_s": cfg.training.step_timeout_s,
+                  # the GSPO objective's W_t already normalise per execution: no division by tokens
+                  "normalise_by_tokens": False,
+                  "objective": (cfg.training.importance_cap, cfg.training.clip_low, cfg.training.clip_high)}
     if cfg.cluster.launcher != "local":
         train_opts.update({"launcher": cfg.cluster.launcher, "control_host": cfg.cluster.control_host,
                            "control_port": cfg.cluster.control_port,

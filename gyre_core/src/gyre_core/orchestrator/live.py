@@ -89,6 +89,36 @@ class _Step:
     closing: bool = False
 
 
+def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """A step's training figures from its cells' per-rank statistics (each cell's last stage
+    reports its objective figures, the core its gradient norm): loss, grad norm, the fraction of
+    executions clipped, mean and max importance ratio π/π_b over trained tokens, tokens trained.
+    ``None`` where a backend reported nothing."""
+    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0}
+    ratio_max, grad_norm, seen = 0.0, None, False
+    for infos in cell_infos:
+        for info in infos:
+            fig = info.get("objective")
+            if fig:
+                seen = True
+                for k in total:
+                    total[k] += float(fig.get(k, 0.0))
+                ratio_max = max(ratio_max, float(fig.get("ratio_max", 0.0)))
+            if info.get("grad_norm") is not None:
+                grad_norm = float(info["grad_norm"])
+    if not seen:
+        return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "ratio_mean": None,
+                "ratio_max": None, "tokens": None}
+    return {
+        "loss": round(total["loss"], 6),
+        "grad_norm": None if grad_norm is None else round(grad_norm, 6),
+        "clip_fraction": round(total["clipped"] / total["executions"], 4) if total["executions"] else None,
+        "ratio_mean": round(total["ratio_sum"] / total["tokens"], 4) if total["tokens"] else None,
+        "ratio_max": round(ratio_max, 4) if total["tokens"] else None,
+        "tokens": int(total["tokens"]),
+    }
+
+
 def _jsonable(obj: Any) -> Any:
     if is_dataclass(obj):
         return {k: _jsonable(v) for k, v in asdict(obj).items()}
@@ -721,10 +751,17 @@ class LiveOrchestrator:
         rec = {"step": st.step, "groups": list(st.groups), "staleness": list(st.staleness),
                "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
                "executions": len(rewards), "cells": sorted(set(st.cells)),
-               "duration_s": round(self.now() - st.started, 3), "micro_steps": st.packing.micro_steps}
+               "duration_s": round(self.now() - st.started, 3), "micro_steps": st.packing.micro_steps,
+               "split_executions": st.packing.split_executions,
+               **training_figures([getattr(self.cells[c].training, "last_step_info", []) for c in sorted(set(st.cells))])}
         self.step_records.append(rec)
+        if self.event_log is not None:
+            self.event_log.write(json.dumps({"t": round(self.now(), 3), "step_done": st.step, **rec}) + "\n")
+            self.event_log.flush()
         self.progress(f"step {st.step} done in {rec['duration_s']:.1f} s: mean reward {rec['mean_reward']}, "
-                      f"staleness {st.staleness}")
+                      f"staleness {st.staleness}, loss {rec['loss']}, grad norm {rec['grad_norm']}, "
+                      f"clipped {rec['clip_fraction']}, ratio mean/max {rec['ratio_mean']}/{rec['ratio_max']}, "
+                      f"{rec['tokens']} tokens")
         del self._steps[st.step]
         self._emit(ev.MicroStepsDone(st.step))
 
@@ -810,6 +847,8 @@ class LiveOrchestrator:
             "wall_s": round(self.now(), 2),
             "mean_staleness": round(sum(st) / len(st), 4) if st else None,
             "rewards": [r["mean_reward"] for r in self.step_records],
+            "losses": [r.get("loss") for r in self.step_records],
+            "grad_norms": [r.get("grad_norm") for r in self.step_records],
             "step_records": self.step_records,
             "role_switches": self.role_switches,
             "executions": self.executions_summary(),

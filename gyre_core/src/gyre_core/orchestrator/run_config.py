@@ -88,6 +88,12 @@ class TrainingSection:
     pp: int = 1
     clip_grad: float = 1.0
     step_timeout_s: float = 600.0
+    importance_cap: float = 5.0
+    """GSPO: each token's importance weight π/π_behaviour is capped here."""
+    clip_low: float = 0.005
+    """GSPO: an execution whose ratio falls below 1 − clip_low with a negative advantage is clipped."""
+    clip_high: float = 0.005
+    """GSPO: an execution whose ratio rises above 1 + clip_high with a positive advantage is clipped."""
 
 
 @dataclass
@@ -188,6 +194,11 @@ class RunConfig:
         need(self.dataplane.token_budget >= 64, "dataplane.token_budget", "must be ≥ 64")
         need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
         need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
+        need(self.training.importance_cap > 0 and math.isfinite(self.training.importance_cap),
+             "training.importance_cap", "must be a positive number")
+        need(0 <= self.training.clip_low < 1, "training.clip_low", "must lie in [0, 1)")
+        need(0 <= self.training.clip_high and math.isfinite(self.training.clip_high), "training.clip_high",
+             "must be ≥ 0")
         need(self.serving.max_total_tokens >= 1024, "serving.max_total_tokens", "must be ≥ 1024")
         need(0 <= self.proxy.port < 65536, "proxy.port", "must be a TCP port (0: any free one)")
         need(self.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be ≥ 1")
