@@ -48,3 +48,14 @@ def test_instances_are_deterministic_and_hide_nothing_needed() -> None:
     assert i == sum_file.gyre_task_instance(task="sum-file", group_id=3, seed=1, options={})
     assert str(i.a) in i.prompt and str(i.b) in i.prompt and "answer.txt" in i.prompt
     assert sum_file.gyre_task_instance(task="other", group_id=3, seed=1, options={}) is None
+
+
+def test_a_crashed_harness_without_an_answer_is_unresolved_but_its_answer_still_counts(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    crashed = ExecutionSpec(**{**spec.__dict__, "extra": {**spec.extra, "harness_exit": -9, "harness_end": "crashed"}})
+    a = sum_file.gyre_evaluate(spec=crashed, state=STATE)
+    assert a.score is None and a.validity.value == "unresolved" and "crashed" in a.detail
+    failed = ExecutionSpec(**{**spec.__dict__, "extra": {**spec.extra, "harness_exit": 1, "harness_end": "failed"}})
+    assert sum_file.gyre_evaluate(spec=failed, state=STATE).score == 0.0  # ran to its end: a real zero
+    (tmp_path / "answer.txt").write_text("42")
+    assert sum_file.gyre_evaluate(spec=crashed, state=STATE).score == 1.0  # what it left is assessed

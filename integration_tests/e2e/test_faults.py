@@ -8,7 +8,9 @@ Two runs, each shared by several faults:
 * ``evaluator_and_harness_faults``: an evaluator that raises or hangs (once: retried within the
   budget and used; always: excluded when the budget ends), a harness that hangs after leaving its
   answer (harness timeout, assessed, used) and one that hangs before leaving anything (harness
-  timeout, unresolved until the overall budget ends, discarded).
+  timeout, unresolved until the overall budget ends, discarded), a harness that crashes after
+  leaving its answer (exit 1: the answer is assessed and used) and one SIGKILLed mid-run (a crash
+  with nothing to assess: excluded at once, never a zero).
 * ``engine_killed_mid_request``: the satellite's SGLang server is SIGKILLed while calls are in
   flight on it; the watchdog moves its executions, the proxy retries those calls on the core's
   engine, the engine is restarted on the current weights, and no harness sees an error.
@@ -71,6 +73,9 @@ try:
         m = re.search(r"\d+", msg.content or "")
         guess = int(m.group()) % 100 if m else guess
         messages.append({"role": "user", "content": "lower" if (guess or 0) > 50 else "higher"})
+        if mode == "sigkill":  # killed from outside mid-run (as the OOM killer would): no answer
+            save()
+            os.kill(os.getpid(), 9)
 except Exception as e:
     report["error"] = f"{type(e).__name__}: {e}"
     traceback.print_exc()
@@ -82,6 +87,8 @@ with open("answer.json.tmp", "w") as f:
 os.replace("answer.json.tmp", "answer.json")
 if mode == "hang_after_answer":
     time.sleep(3600)
+if mode == "crash_after_answer":
+    raise RuntimeError("the harness crashed after leaving its answer")
 '''
 
 
@@ -143,9 +150,15 @@ def _assert_nothing_lost(orch: Any, ex: dict[str, int]) -> None:
     assert lost == [], f"finished executions lost: {lost}"
 
 
+def ended_at_of(out: Path, eid: int) -> float:
+    """When the scheduler learnt that execution ``eid`` was excluded."""
+    return next(e["t"] for e in _events(out)
+                if e.get("event") == "EvaluationUnresolved" and e.get("final") and e.get("execution_id") == eid)
+
+
 def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
-    """Counts: 48 trained (6 steps × B=2 × N=4), exactly 3 excluded (evaluator always raises, always
-    hangs, harness hung before answering), their group dropped, 0 failed harnesses, 0 lost."""
+    """Counts: 48 trained (6 steps × B=2 × N=4), exactly 4 excluded (evaluator always raises, always
+    hangs, harness hung before answering, harness SIGKILLed), their groups never trained, 0 lost."""
     from gyre_core.orchestrator.embedded import run_live
 
     # generous for a loaded CPU (a normal harness takes 7-10 s here, over 20 s under load), short
@@ -156,7 +169,8 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     # group 0 = executions 0-3 (faults that recover), group 1 = 4-7 (faults that exclude)
     evaluator = FaultyEvaluator({0: "raise_once", 1: "hang_once", 4: "raise_always", 5: "hang_always"},
                                 hang_s=attempt_bound + 2)
-    harness = {2: "hang_after_answer", 6: "hang_before_answer"}
+    # group 2 = executions 8-11: one SIGKILLed harness (its group can no longer reach N valid rewards)
+    harness = {2: "hang_after_answer", 3: "crash_after_answer", 6: "hang_before_answer", 8: "sigkill"}
     script = tmp_path / "fault_harness.py"
     script.write_text(HARNESS)
     out = tmp_path / "run"
@@ -173,8 +187,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     assert summary["steps"] == steps
     ex = summary["executions"]
     assert ex["trained"] == steps * 2 * 4
-    assert ex["excluded"] == 3, {e: x.fate for e, x in execs.items()}
-    assert ex["dropped"] >= 1  # execution 7: valid, but its group can no longer reach N
+    assert ex["excluded"] == 4, {e: x.fate for e, x in execs.items()}
     _assert_nothing_lost(orch, ex)
     assert summary["engine_restarts"] == []  # slow engines under load are not mistaken for dead
 
@@ -196,6 +209,18 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     assert x2.outcome is Outcome.HARNESS_TIMEOUT and x2.reward is not None and x2.fate == "trained"
     assert ledger.assessments(2)[-1].validity is Validity.VALID
 
+    # A harness that crashed after leaving its answer: exit 1, and the answer it left is assessed and used.
+    x3 = execs[3]
+    assert x3.harness_exit == {"code": 1, "end": "failed"}
+    assert x3.reward is not None and x3.fate == "trained" and ledger.assessments(3)[-1].validity is Validity.VALID
+
+    # A harness SIGKILLed mid-run left nothing to assess: excluded at once (not when its budget
+    # ends), never a reward, never a zero.
+    x8 = execs[8]
+    assert x8.harness_exit == {"code": -9, "end": "crashed"}
+    assert x8.fate == "excluded" and x8.reward is None and ledger.state(8) is EvalState.EXCLUDED
+    assert ended_at_of(out, 8) < ledger.deadline(8) - 5.0
+
     # Always raising / hanging evaluator, and a harness that hung before leaving anything to assess:
     # unresolved, retried while the budget lasts, excluded when it ends; never a reward, never a zero.
     ended_at = {e["execution_id"]: e["t"] for e in _events(out)
@@ -210,7 +235,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     assert execs[6].outcome is Outcome.HARNESS_TIMEOUT and not (out / "executions" / "e00006" / "answer.json").exists()
     assert len(evaluator.attempts[4]) >= 3
     trained_groups = {g for r in summary["step_records"] for g in r["groups"]}
-    assert 1 not in trained_groups and 0 in trained_groups
+    assert 1 not in trained_groups and 2 not in trained_groups and 0 in trained_groups
     for r in summary["step_records"]:  # a trained step's rewards are all real rewards
         members = [execs[e] for g in r["groups"] for e in orch._group_members(g) if execs[e].fate == "trained"]
         assert len(members) == 2 * 4 and all(m.reward is not None for m in members)

@@ -65,7 +65,8 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: i
         elif name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
         elif name == "output_layer.weight":
-            out["lm_head.weight"] = t
+            if not getattr(spec, "tie_embeddings", False):  # tied: the last stage's copy of embed_tokens
+                out["lm_head.weight"] = t
         elif (m := _LAYER.match(name)) is not None:
             i, rest = layer_offset + int(m.group(1)), m.group(2)
             p = f"model.layers.{i}."
@@ -101,7 +102,8 @@ def hf_config(spec: Any) -> dict[str, Any]:
         "intermediate_size": spec.ffn_hidden_size, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
         "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta, "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_theta": spec.rope_theta, "tie_word_embeddings": bool(getattr(spec, "tie_embeddings", False)),
+        "hidden_act": "silu",
         "torch_dtype": "float32", "use_sliding_window": False, "attention_dropout": 0.0,
     }
 

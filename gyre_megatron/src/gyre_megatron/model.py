@@ -1,9 +1,10 @@
 """A Qwen2-shaped megatron-core GPTModel stage, its DDP grad buffers, and the core's optimizer.
 
 Qwen2 layout so that weight export has a real serving target: RMSNorm, SwiGLU MLP without
-biases, QKV bias, grouped-query attention, RoPE, untied output layer (untied so no embedding-group
-all-reduce between first and last stage is needed). The local (non-TransformerEngine) layer spec
-runs on CPU.
+biases, QKV bias, grouped-query attention, RoPE, untied output layer by default (a tied one, as in
+the smaller Qwen2 checkpoints, is kept in step across pipeline stages by summing its gradients over
+megatron-core's embedding group; see :mod:`gyre_megatron.runtime`). The local
+(non-TransformerEngine) layer spec runs on CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class ModelSpec:
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    """Output layer shares the input embedding (Qwen2's ``tie_word_embeddings``)."""
     seed: int = 1234
 
     def as_dict(self) -> dict[str, Any]:
@@ -92,7 +95,7 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int) -> tuple[Any, Any]:
         max_sequence_length=spec.max_seq_len,
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
     )

@@ -42,4 +42,5 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
     transfer engine wherever a satellite can join (it pulls the core's weights over it)."""
     from gyre_megatron.preflight import training_side_problems
 
-    return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)))
+    return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)),
+                                  model_dir=str(config.get("model", {}).get("dir") or ""))

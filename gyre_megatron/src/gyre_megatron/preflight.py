@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 
-__all__ = ["training_side_problems", "mooncake_problem"]
+__all__ = ["model_problems", "mooncake_problem", "training_side_problems"]
 
 MOONCAKE_FIX = ("install the system package libibverbs1 (as root: apt-get install -y libibverbs1; "
                 "without root see the README, 'System packages')")
@@ -33,8 +34,24 @@ def mooncake_problem() -> str | None:
     return None
 
 
-def training_side_problems(cells: int) -> list[str]:
+def model_problems(model_dir: str) -> list[str]:
+    """Why the training side cannot start from the HF checkpoint ``model_dir`` (empty: it can)."""
+    from gyre_megatron.hf_import import UnsupportedModel, spec_from_hf_dir
+
+    try:
+        spec_from_hf_dir(model_dir)
+    except UnsupportedModel as exc:
+        return [f"model.dir: {exc}"]
+
+    if not any(Path(model_dir).glob("*.safetensors")):
+        return [f"model.dir: {model_dir} has no *.safetensors weights (convert .bin checkpoints first)"]
+    return []
+
+
+def training_side_problems(cells: int, model_dir: str = "") -> list[str]:
     problems: list[str] = []
+    if model_dir and (Path(model_dir) / "config.json").is_file():  # a missing one is the core's to report
+        problems.extend(model_problems(model_dir))
     for mod, fix in (("torch", "pip install torch"), ("megatron.core", "pip install 'megatron-core>=0.13,<0.17'")):
         try:
             found = importlib.util.find_spec(mod) is not None

@@ -70,6 +70,9 @@ class RankOptions:
     normalise_by_tokens: bool = True
     """Divide the summed gradient by the batch's loss-bearing tokens (plain per-token losses);
     off for the data plane's weights ``W_t``, which already normalise per execution."""
+    init_from: str = ""
+    """An HF Qwen2 checkpoint directory whose weights every cell starts from (empty: ``spec``'s
+    seeded random init). ``spec`` must be :func:`gyre_megatron.hf_import.spec_from_hf_dir`'s."""
     objective: tuple[float, float, float] = (5.0, 0.005, 0.005)
     """GSPO settings for data-plane micro-steps: token weight cap, clip_low, clip_high."""
 
@@ -110,6 +113,11 @@ class CellRank(RankChecks):
         self.store.set_timeout(timedelta(seconds=opts.store_timeout_s))
         self.ddp, self.config = build_stage(opts.spec, self.stage, P)
         self.model = self.ddp
+        if opts.init_from:
+            self._load_hf(opts.init_from)
+        # with tied embeddings and P > 1 the first stage's embedding and the last stage's output
+        # layer are two copies of one matrix: their gradients are summed over this group
+        self.embedding_group = ps.get_embedding_group() if opts.spec.tie_embeddings and P > 1 else None
         # get_megatron_optimizer gathers parameter keys over the whole world, so every rank builds
         # one; only the core keeps it (Adam allocates no state before its first step).
         opt = make_optimizer(self.ddp, opts.lr)
@@ -123,6 +131,26 @@ class CellRank(RankChecks):
         a satellite starts unknown (-1), so its first join always pulls."""
         self._transport: Any = None
         self._saved: Any = None
+
+    def _load_hf(self, path: str) -> None:
+        from gyre_megatron.hf_import import hf_to_megatron, load_hf_state
+
+        per_stage = self.opts.spec.num_layers // self.opts.pp
+        named = dict(self.ddp.module.named_parameters())
+        tensors = hf_to_megatron(load_hf_state(path), list(named), self.opts.spec, self.stage * per_stage)
+        with torch.no_grad():
+            for name, t in tensors.items():
+                p = named[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+    def _sum_tied_embedding_grads(self) -> None:
+        if self.embedding_group is None or not (self.stage == 0 or self.stage == self.opts.pp - 1):
+            return
+        module = self.ddp.module
+        weight = module.shared_embedding_or_output_weight()
+        dist.all_reduce(weight.main_grad, group=self.embedding_group)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -389,6 +417,7 @@ class CellRank(RankChecks):
         """Normalise, clip and update on the core; then send the new weights to satellites."""
         info["total_tokens"] = total
         if self.is_core:
+            self._sum_tied_embedding_grads()
             if self.opts.normalise_by_tokens:  # not for objectives whose W_t already normalise
                 for buf in self.grad_buffers():
                     buf.div_(max(total, 1.0))

@@ -36,14 +36,20 @@ def _world_for(options: Mapping[str, Any]) -> Any:
     key = tuple(sorted((k, repr(v)) for k, v in options.items() if k != "announce"))
     with _lock:
         if key not in _worlds:
-            spec = ModelSpec(**dict(options.get("model", {})))
+            init_from = str(options.get("init_from") or "")
+            if init_from:  # the user's checkpoint: every size from its config.json
+                from gyre_megatron.hf_import import spec_from_hf_dir
+
+                spec = spec_from_hf_dir(init_from, seed=int(dict(options.get("model", {})).get("seed", 1234)))
+            else:
+                spec = ModelSpec(**dict(options.get("model", {})))
             opts = RankOptions(
                 cells=int(options["cells"]), pp=int(options.get("pp", 1)), spec=spec,
                 lr=float(options.get("lr", 1e-3)), clip_grad=float(options.get("clip_grad", 1.0)),
                 data_timeout_s=float(options.get("data_timeout_s", 60.0)),
                 side_timeout_s=float(options.get("side_timeout_s", 60.0)),
                 heartbeat_s=float(options.get("heartbeat_s", 0.5)),
-                normalise_by_tokens=bool(options.get("normalise_by_tokens", True)),
+                normalise_by_tokens=bool(options.get("normalise_by_tokens", True)), init_from=init_from,
                 objective=tuple(float(x) for x in options.get("objective", (5.0, 0.005, 0.005))),  # type: ignore[arg-type]
             )
             n_queues = int(options.get("max_steps", 16))

@@ -184,6 +184,14 @@ class AssessmentLedger:
             return EvaluationValid(execution_id)
         return EvaluationUnresolved(execution_id, final=False)
 
+    def exclude(self, execution_id: int) -> EvaluationUnresolved:
+        """Exclude an execution awaiting assessment now, before its budget ends: for one whose
+        harness crashed and left nothing to assess, where a retry could only answer the same."""
+        e = self._entry(execution_id)
+        if e.state is not EvalState.AWAITING:
+            raise ValueError(f"execution {execution_id} is {e.state.value}, not awaiting assessment")
+        return self._exclude(execution_id, e)
+
     def expire(self, now: float) -> list[EvaluationUnresolved]:
         """Exclude every execution still awaiting a valid score whose budget ended by ``now``."""
         return [

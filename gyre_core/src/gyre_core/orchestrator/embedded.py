@@ -60,11 +60,11 @@ def _plugin_manager(extra_plugins: Sequence[Any] = ()) -> Any:
     from gyre_core.orchestrator import harness
     from gyre_core.plugins import plugin_manager
     from gyre_core.proxy.classify import DEFAULT_CLASSIFIER
-    from gyre_core.tasks import number_guess, sum_file
+    from gyre_core.tasks import digits, number_guess, sum_file
 
     pm = plugin_manager()
     for mod, name in ((harness, "gyre-core.harness"), (number_guess, "gyre-core.number-guess"),
-                      (sum_file, "gyre-core.sum-file"),
+                      (sum_file, "gyre-core.sum-file"), (digits, "gyre-core.digits"),
                       (DEFAULT_CLASSIFIER, "gyre-core.claude-code-roles")):
         if pm.get_plugin(name) is None:
             pm.register(mod, name=name)
@@ -195,6 +195,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                   # the GSPO objective's W_t already normalise per execution: no division by tokens
                   "normalise_by_tokens": False,
                   "objective": (cfg.training.importance_cap, cfg.training.clip_low, cfg.training.clip_high)}
+    if cfg.model.dir:  # the user's checkpoint: the trainer reads every size from its config.json
+        train_opts["init_from"] = str(Path(cfg.model.dir).resolve())
     if cfg.cluster.launcher != "local":
         train_opts.update({"launcher": cfg.cluster.launcher, "control_host": cfg.cluster.control_host,
                            "control_port": cfg.cluster.control_port,
@@ -338,6 +340,10 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
     if src.exists():
         shutil.copy2(src, ckpt / "model.safetensors")
         shutil.copy2(Path(orch.weights.location) / "config.json", ckpt / "config.json")
+        tok_dir = Path(cfg.model.dir) if cfg.model.dir else out / "tokenizer-src"
+        for name in TOKENIZER_FILES:  # a complete model folder: a later run can start from it (model.dir)
+            if (tok_dir / name).exists():
+                shutil.copy2(tok_dir / name, ckpt / name)
         summary["checkpoint"] = str(ckpt / "model.safetensors")
     summary["policy_version"] = orch.weights.version
     summary["event_log"] = str(out / "events.jsonl")

@@ -6,10 +6,12 @@ learns about Gyre only through environment variables: the proxy's base URL and t
 own API key, under both the OpenAI and the Anthropic names. Built-in launchers:
 
 - ``number-guess``: the built-in task's agent loop (:mod:`gyre_core.tasks.number_guess_harness`);
+- ``reply``: one chat call with the task's prompt, the reply in ``reply.txt``
+  (:mod:`gyre_core.tasks.reply_harness`; plays the built-in ``digits`` task);
 - ``command``: any program, ``extra["command"]`` as an argument list (``{task}``, ``{workdir}``
   are substituted);
-- ``claude-code``: the real Claude Code CLI in print mode, with the offline settings of
-  ``notes/claude-code-harness.md`` (``extra["claude_bin"]`` names the executable).
+- ``claude-code``: the real Claude Code CLI in print mode, offline (no telemetry, updater or
+  non-essential traffic; ``extra["claude_bin"]`` names the executable).
 """
 
 from __future__ import annotations
@@ -25,7 +27,58 @@ from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import ExecutionSpec
 from gyre_core.procutil import die_with_parent
 
-__all__ = ["SubprocessHarness", "harness_env", "launch_command"]
+__all__ = ["HARNESS_ENDS", "SubprocessHarness", "classify_end", "harness_env", "launch_command"]
+
+HARNESS_ENDS = ("completed", "failed", "crashed")
+"""How a harness process ended, which decides what its exit may mean for the reward:
+
+* ``completed``: exit 0;
+* ``failed``: it ran to its end and reported a failure itself (a complete failure, which the
+  task's evaluator may score 0 when nothing assessable was produced);
+* ``crashed``: killed by a signal (a timeout kill, the OOM killer), or a crash of the harness
+  itself (no final report): nothing it vouched for, so never a zero -- the evaluator may still
+  assess what the workspace holds, else the execution is excluded.
+"""
+
+
+def classify_end(harness: str, code: int, log_path: str | None = None) -> str:
+    """One of :data:`HARNESS_ENDS` for a harness of kind ``harness`` that exited with ``code``.
+
+    ``number-guess`` (Gyre's own agent loop) exits 0 whenever it plays to its end, so any other
+    code is a crash. ``claude-code`` ran to its end when its log holds the CLI's final ``result``
+    object (``--output-format json``), whatever the exit code. ``command``: a signal (negative
+    code, or above 128 as shells report it) is a crash; any other non-zero code is the program's
+    own report of failure."""
+    if code == 0:
+        return "completed"
+    if code < 0 or code > 128:
+        return "crashed"
+    if harness in ("number-guess", "reply"):  # Gyre's own loops exit 0 whenever they ran to their end
+        return "crashed"
+    if harness == "claude-code":
+        return "failed" if _has_cli_result(log_path) else "crashed"
+    return "failed"
+
+
+def _has_cli_result(log_path: str | None) -> bool:
+    if not log_path:
+        return False
+    import json
+
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    for line in reversed(lines):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and obj.get("type") == "result":
+                return True
+    return False
 
 
 class SubprocessHarness:
@@ -41,6 +94,13 @@ class SubprocessHarness:
             if out is not subprocess.DEVNULL:
                 out.close()
         self.pid = self.proc.pid
+        self.log_path = log_path
+        self.harness = ""
+        """The harness kind, for :meth:`end_kind` (set by the launcher)."""
+
+    def end_kind(self, code: int) -> str:
+        """How the process ended (:func:`classify_end`)."""
+        return classify_end(self.harness, code, self.log_path)
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -95,6 +155,8 @@ def launch_command(spec: ExecutionSpec) -> list[str] | None:
     if spec.harness == "number-guess":
         return [sys.executable, "-m", "gyre_core.tasks.number_guess_harness", "--secret", str(x["secret"]),
                 "--low", str(x.get("low", 0)), "--high", str(x.get("high", 99)), "--turns", str(x.get("turns", 3))]
+    if spec.harness == "reply":
+        return [sys.executable, "-m", "gyre_core.tasks.reply_harness", spec.task]
     if spec.harness == "command":
         cmd = x.get("command")
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(c, str) for c in cmd):
@@ -118,9 +180,11 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
     env = harness_env(spec, home)
     if spec.harness == "claude-code":
         (home / ".claude").mkdir(exist_ok=True)
-        # Offline settings of notes/claude-code-harness.md; side requests (titles) use the same
-        # model, since the proxy serves only the policy.
+        # Offline settings; side requests (titles) use the same model, since the proxy serves
+        # only the policy.
         env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_MODEL": env["GYRE_MODEL"],
                     "ANTHROPIC_SMALL_FAST_MODEL": env["GYRE_MODEL"], "DISABLE_TELEMETRY": "1",
                     "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
-    return SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"))
+    handle = SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"))
+    handle.harness = spec.harness
+    return handle

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
@@ -39,6 +39,7 @@ from gyre_core.interfaces import (
     TrainingSide,
     WeightsRef,
 )
+from gyre_core.orchestrator.harness import classify_end
 from gyre_core.orchestrator.journal import Journal, Replay, event_from_json, selected_from_json, selected_to_json, tree_from_json, tree_to_json
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
@@ -76,6 +77,8 @@ class _Execution:
     fate: str = "queued"  # queued, running, ended, trained, dropped, surplus, excluded, cancelled
     trajectory: tuple[Any, Any] | None = None
     """(tree, selected) as the execution ended: the proxy's records, kept for its evaluation."""
+    harness_exit: dict[str, Any] | None = None
+    """``{"code", "end"}`` when the harness exited non-zero (``end``: failed or crashed)."""
 
 
 @dataclass
@@ -87,6 +90,12 @@ class _Step:
     staleness: list[int] = field(default_factory=list)
     started: float = 0.0
     closing: bool = False
+
+
+def _with_exit(spec: ExecutionSpec, harness_exit: Mapping[str, Any]) -> ExecutionSpec:
+    """``spec`` with the harness's exit for the evaluator: ``extra["harness_exit"]`` (the code)
+    and ``extra["harness_end"]`` (:data:`gyre_core.orchestrator.harness.HARNESS_ENDS`)."""
+    return replace(spec, extra={**spec.extra, "harness_exit": harness_exit["code"], "harness_end": harness_exit["end"]})
 
 
 def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
@@ -369,8 +378,9 @@ class LiveOrchestrator:
                 for cmd in self.sched.handle(event, t):
                     effects(cmd, t)
             elif kind == "trajectory":
-                self._execs[int(rec["execution_id"])].trajectory = (tree_from_json(rec["tree"]),
-                                                                     selected_from_json(rec["selected"]))
+                ex = self._execs[int(rec["execution_id"])]
+                ex.trajectory = (tree_from_json(rec["tree"]), selected_from_json(rec["selected"]))
+                ex.harness_exit = rec.get("harness_exit")
             elif kind in ("scored", "placeholder"):
                 eid = int(rec["execution_id"])
                 ex = self._execs[eid]
@@ -437,10 +447,11 @@ class LiveOrchestrator:
     def _spec_for(self, eid: int) -> ExecutionSpec:
         ex = self._execs[eid]
         inst = self._groups[ex.group_id]["instance"]
-        return ExecutionSpec(
+        spec = ExecutionSpec(
             execution_id=eid, workdir=str(self.out_dir / "executions" / f"e{eid:05d}"), proxy_base_url=self.proxy_url,
             api_key="", harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
             harness=self.cfg.harness.kind, task=inst.prompt, extra=dict(inst.as_extra(), model=self.cfg.model.name))
+        return _with_exit(spec, ex.harness_exit) if ex.harness_exit else spec
 
     async def _physical_to_training(self, cell: int) -> None:
         """A resumed cell the scheduler has in training: move the fresh cell there (no event)."""
@@ -569,7 +580,15 @@ class LiveOrchestrator:
             await asyncio.to_thread(handle.kill)
             outcome = Outcome.HARNESS_TIMEOUT
         else:
-            outcome = Outcome.COMPLETED if code == 0 else Outcome.FAILED
+            # A non-zero exit is assessed like any end: the evaluator is told how the harness
+            # ended and judges what the workspace holds. Only the task may call it a zero (a
+            # harness that ran to its end and produced nothing); a crash never is one.
+            if code != 0:
+                end_kind = getattr(handle, "end_kind", None)
+                end = end_kind(int(code)) if end_kind is not None else classify_end(spec.harness, int(code))
+                ex.harness_exit = {"code": int(code), "end": end}
+                ex.spec = _with_exit(spec, ex.harness_exit)
+            outcome = Outcome.COMPLETED
         await self._ended(eid, outcome)
 
     async def _ended(self, eid: int, outcome: Outcome) -> None:
@@ -583,7 +602,7 @@ class LiveOrchestrator:
                              self.proxy.selected(eid, self.cfg.dataplane.j_max, self.cfg.run.seed * 7919 + eid))
             if self.journal is not None:
                 self.journal.write("trajectory", execution_id=eid, tree=tree_to_json(ex.trajectory[0]),
-                                   selected=selected_to_json(ex.trajectory[1]))
+                                   selected=selected_to_json(ex.trajectory[1]), harness_exit=ex.harness_exit)
         self._emit(ev.ExecutionEnded(eid, outcome))
         state = self._final_state(eid)
         answer = self.ledger.terminated(eid, outcome, state if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT) else None)
@@ -620,6 +639,9 @@ class LiveOrchestrator:
                     ex.fate = "surplus"
                 self._emit(answer)
                 return
+            if not answer.final and ex.harness_exit and ex.harness_exit.get("end") == "crashed":
+                # nothing the crashed harness left can be assessed, and a retry would read the same
+                answer = self.ledger.exclude(eid)
             if answer.final:
                 ex.fate = "excluded"
                 if self.journal is not None:

@@ -25,7 +25,7 @@ from gyre_core.config import ConfigError, SchedulerConfig
 
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
-HARNESSES = ("number-guess", "command", "claude-code")
+HARNESSES = ("number-guess", "reply", "command", "claude-code")
 LAUNCHERS = ("local", "torchrun")
 
 
@@ -45,7 +45,9 @@ class RunSection:
 @dataclass
 class ModelSection:
     dir: str = ""
-    """A Hugging Face model directory (Qwen2 family) to start from; empty: build the tiny model."""
+    """A Hugging Face model directory (Qwen2 family, safetensors) whose weights the trainer and the
+    engines start from, every size read from its ``config.json`` (the sizes below are then
+    unused); a run's ``checkpoint/`` folder is one. Empty: build the tiny model from the sizes below."""
     name: str = "gyre-policy"
     """The model name harnesses send; any other name is refused by the proxy."""
     hidden_size: int = 64

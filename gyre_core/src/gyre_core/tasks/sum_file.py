@@ -4,8 +4,9 @@ Made for black-box coding harnesses (``harness.kind = "claude-code"``): the prom
 in the working directory, which the agent writes with its own tools (Write, Bash, ...). The
 evaluator reads the workspace the harness left: ``1`` when ``answer.txt`` holds exactly the sum
 (surrounding whitespace ignored), ``0`` when it holds anything else or is absent -- the agent ran to
-its end and did not solve the task, which is a real result. Only a workspace that cannot be read
-is *unresolved* (retried, then excluded), never scored.
+its end and did not solve the task, which is a real result. A workspace that cannot be read, or a
+harness that crashed (a signal, the OOM killer, no final report) before writing the file, is
+*unresolved* (retried or excluded), never scored.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
     if spec.extra.get("task") != TASK_NAME:
         return None
     try:
+        if spec.extra.get("harness_end") == "crashed" and not (Path(spec.workdir) / ANSWER_FILE).exists():
+            # the agent was stopped from outside (a signal, the OOM killer, a harness crash) before
+            # it answered: nothing to assess, and not the agent's failure -- never a zero
+            return Assessment.unresolved(state, f"harness crashed (exit {spec.extra.get('harness_exit')}) "
+                                                f"before writing {ANSWER_FILE}")
         score, detail = score_workspace(spec.workdir, int(spec.extra["a"]) + int(spec.extra["b"]))
     except (OSError, ValueError, KeyError) as e:
         return Assessment.unresolved(state, f"{type(e).__name__}: {e}")

@@ -1,0 +1,152 @@
+"""Weight import: a Hugging Face Qwen2-family checkpoint as the cell's megatron-core model.
+
+The inverse of :mod:`gyre_megatron.export`: every size is read from the checkpoint's
+``config.json`` (layers, hidden, heads, KV heads, FFN size, rope theta, RMSNorm eps, vocabulary,
+tied or untied embeddings), and each stage takes its layers' tensors, fused the way Megatron's
+modules expect:
+
+* ``q_proj``, ``k_proj``, ``v_proj`` (weights and biases) → ``linear_qkv`` laid out per query
+  group ``[q_0..q_{r-1}, k, v]``;
+* ``gate_proj`` and ``up_proj`` → ``linear_fc1`` as ``[gate; up]``;
+* global layer ``s·L/P + i`` → layer ``i`` of pipeline stage ``s``; with tied embeddings the last
+  stage's output layer starts as a copy of ``embed_tokens`` (megatron-core keeps the two in step).
+
+What the import cannot represent is refused before a run starts (:func:`spec_from_hf_config`
+raises :class:`UnsupportedModel` naming every unsupported setting), never silently approximated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["UnsupportedModel", "hf_to_megatron", "load_hf_state", "spec_from_hf_config", "spec_from_hf_dir"]
+
+ARCHITECTURES = ("Qwen2ForCausalLM",)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint uses something the Qwen2 import does not support; ``problems`` lists it."""
+
+    def __init__(self, where: str, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(f"{where}: unsupported model: " + "; ".join(problems))
+
+
+def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed: int = 1234) -> Any:
+    """The :class:`~gyre_megatron.model.ModelSpec` of an HF Qwen2 ``config.json`` (as a dict)."""
+    from gyre_megatron.model import ModelSpec
+
+    problems: list[str] = []
+    arch = list(raw.get("architectures") or [])
+    if raw.get("model_type") != "qwen2" or (arch and not set(arch) <= set(ARCHITECTURES)):
+        problems.append(f"model_type {raw.get('model_type')!r} / architectures {arch} (supported: qwen2, "
+                        f"{', '.join(ARCHITECTURES)})")
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {raw.get('hidden_act')!r} (supported: silu)")
+    if raw.get("rope_scaling"):
+        problems.append(f"rope_scaling {raw.get('rope_scaling')!r} (supported: none)")
+    if raw.get("use_sliding_window"):
+        problems.append("use_sliding_window true (supported: full attention)")
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in need if not isinstance(raw.get(k), int)]
+    if missing:
+        problems.append(f"missing or non-integer {', '.join(missing)}")
+    if not problems:
+        heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+        kv = int(raw.get("num_key_value_heads") or heads)
+        if hidden % heads:
+            problems.append(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        elif raw.get("head_dim") not in (None, hidden // heads):
+            problems.append(f"head_dim {raw.get('head_dim')} differs from hidden_size / num_attention_heads")
+        if heads % kv:
+            problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if problems:
+        raise UnsupportedModel(where, problems)
+    return ModelSpec(
+        num_layers=int(raw["num_hidden_layers"]), hidden_size=int(raw["hidden_size"]),
+        ffn_hidden_size=int(raw["intermediate_size"]), num_attention_heads=int(raw["num_attention_heads"]),
+        num_query_groups=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+        vocab_size=int(raw["vocab_size"]), max_seq_len=int(raw.get("max_position_embeddings", 2048)),
+        rope_theta=float(raw.get("rope_theta", 10000.0)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)), seed=seed,
+    )
+
+
+def spec_from_hf_dir(path: str | Path, seed: int = 1234) -> Any:
+    p = Path(path) / "config.json"
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(str(p), [f"not readable ({exc})"]) from None
+    return spec_from_hf_config(raw, str(p), seed)
+
+
+def load_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files (one file or an index of shards)."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors files (convert .bin checkpoints to safetensors first)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    r = heads // groups
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, r * head_dim, *rest), k.reshape(groups, head_dim, *rest),
+             v.reshape(groups, head_dim, *rest))
+    return torch.cat(parts, dim=1).reshape(groups * (r + 2) * head_dim, *rest)
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, layer_offset: int) -> dict[str, torch.Tensor]:
+    """The tensors of one stage's Megatron parameters ``names`` from an HF Qwen2 state dict."""
+    hd = spec.hidden_size // spec.num_attention_heads
+
+    def get(key: str) -> torch.Tensor:
+        if key not in hf:
+            raise KeyError(f"checkpoint has no tensor {key}")
+        return hf[key]
+
+    out: dict[str, torch.Tensor] = {}
+    for full in names:
+        name = full.removeprefix("module.")
+        if name == "embedding.word_embeddings.weight":
+            t = get("model.embed_tokens.weight")
+        elif name == "decoder.final_layernorm.weight":
+            t = get("model.norm.weight")
+        elif name == "output_layer.weight":
+            t = hf["lm_head.weight"] if "lm_head.weight" in hf and not spec.tie_embeddings else get("model.embed_tokens.weight")
+        elif (m := _LAYER.match(name)) is not None:
+            p = f"model.layers.{layer_offset + int(m.group(1))}."
+            rest = m.group(2)
+            if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+                t = get(p + "input_layernorm.weight")
+            elif rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+                t = get(p + "post_attention_layernorm.weight")
+            elif rest.startswith("self_attention.linear_qkv."):
+                kind = rest.rsplit(".", 1)[1]
+                q, k, v = (get(p + f"self_attn.{x}.{kind}") for x in ("q_proj", "k_proj", "v_proj"))
+                t = _fuse_qkv(q, k, v, spec.num_attention_heads, spec.num_query_groups, hd)
+            elif rest == "self_attention.linear_proj.weight":
+                t = get(p + "self_attn.o_proj.weight")
+            elif rest == "mlp.linear_fc1.weight":
+                t = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            elif rest == "mlp.linear_fc2.weight":
+                t = get(p + "mlp.down_proj.weight")
+            else:
+                raise KeyError(f"no HF Qwen2 tensor for Megatron parameter {full}")
+        else:
+            raise KeyError(f"no HF Qwen2 tensor for Megatron parameter {full}")
+        out[full] = t
+    return out
