@@ -48,7 +48,8 @@ def imported(request, tmp_path_factory):
     original = build_checkpoint(ckpt, tied, seed=11 + int(tied))
     spec = spec_from_hf_dir(ckpt)
     assert (spec.num_query_groups, spec.ffn_hidden_size, spec.tie_embeddings) == (2, 80, tied)
-    with World(RankOptions(cells=1, pp=pp, spec=spec, init_from=str(ckpt)), n_queues=1) as w:
+    assert (spec.rope_theta, spec.norm_eps, spec.vocab_size) == (50000.0, 1e-5, 160)
+    with World(RankOptions(cells=1, pp=pp, spec=spec, init_from=str(ckpt)), n_queues=2) as w:
         yield w, ckpt, original, tmp_path_factory.mktemp("export")
 
 
@@ -63,7 +64,7 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
         with torch.no_grad():
             hlogits = hf(items[0]["tokens"]).logits.numpy()
         err = float(np.abs(hlogits - mlogits).max())
-        print(f"\nimport {'tied' if w.opts.spec.tie_embeddings else 'untied'} pp1: logits max|HF - Megatron| {err:.3g}")
+        print(f"\nimport pp1 tied={w.opts.spec.tie_embeddings}: logits max|HF - Megatron| {err:.3g}, max|logit| {float(np.abs(hlogits).max()):.3g}")
         assert err <= 1e-4 and float(np.abs(mlogits).max()) > 0.1
     tk = w.submit(w.ranks_of(0), "stock_vs_stream", items, 0)
     feed_in_bursts(w.queues[0], items, burst=3, gap_s=0)
@@ -91,10 +92,30 @@ def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
     assert cfg["tie_word_embeddings"] == w.opts.spec.tie_embeddings and cfg["num_key_value_heads"] == 2
 
 
+def test_tied_copies_stay_in_step_through_an_update(imported) -> None:
+    """With tied embeddings and PP = 2 the first stage's embedding and the last stage's output
+    layer are two copies of one matrix: their gradients are summed, so one update keeps them equal."""
+    from gyre_megatron.testing import feed_in_bursts, make_items
+
+    w, _, original, _ = imported
+    if not (w.opts.spec.tie_embeddings and w.opts.pp == 2):
+        pytest.skip("only tied embeddings split over two stages have two copies")
+    core = w.ranks_of(0)
+    tk = w.submit(core, "run_step", 0, 1)
+    feed_in_bursts(w.queues[1], make_items(2, seq_len=24, vocab=160, seed=9), burst=2, gap_s=0)
+    info = w.wait(tk, 120)
+    assert all(i["update_ok"] for i in info)
+    first, last = w.call(core, "params_numpy")
+    emb, out = first["embedding.word_embeddings.weight"], last["output_layer.weight"]
+    assert np.array_equal(emb, out)
+    assert not np.array_equal(emb, original["model.embed_tokens.weight"].numpy())  # it did train
+
+
 @pytest.mark.parametrize("change, named", [
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type 'llama'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"num_key_value_heads": 4}, "not a multiple of num_key_value_heads 4"),
 ])

@@ -212,7 +212,9 @@ def install_cpu_rng_tracker(redirection: Redirection) -> None:
 
 
 def redirect_tensor_cuda(redirection: Redirection) -> None:
-    """Make ``Tensor.cuda()`` return the tensor itself (0.13's schedules call it).
+    """Make ``Tensor.cuda()`` return the tensor itself (0.13's schedules call it; every release's
+    ``LanguageModule.setup_embeddings_and_output_layer`` calls it to sync tied embeddings across
+    pipeline stages).
 
     This one is process-wide; it is safe only because it is applied solely when CUDA is absent,
     where ``Tensor.cuda()`` could only raise.

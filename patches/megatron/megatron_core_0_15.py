@@ -16,4 +16,4 @@ MODULES = CUDA_MODULES
 
 def apply(version: str) -> Redirection:
     """Apply to megatron-core ``version``; refuse any version outside ``TARGET``."""
-    return apply_for(TARGET, version, MODULES, tensor_cuda=False)
+    return apply_for(TARGET, version, MODULES, tensor_cuda=True)  # tied embeddings: language_module calls weight.data.cuda()

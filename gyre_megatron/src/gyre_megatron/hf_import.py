@@ -49,8 +49,11 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
                         f"{', '.join(ARCHITECTURES)})")
     if raw.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {raw.get('hidden_act')!r} (supported: silu)")
-    if raw.get("rope_scaling"):
-        problems.append(f"rope_scaling {raw.get('rope_scaling')!r} (supported: none)")
+    # transformers >= 5 writes RoPE settings as ``rope_parameters``; older releases as rope_theta/rope_scaling
+    rope = dict(raw.get("rope_parameters") or {})
+    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_scaling {raw.get('rope_scaling') or rope!r} (supported: plain RoPE)")
     if raw.get("use_sliding_window"):
         problems.append("use_sliding_window true (supported: full attention)")
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -73,7 +76,7 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
         ffn_hidden_size=int(raw["intermediate_size"]), num_attention_heads=int(raw["num_attention_heads"]),
         num_query_groups=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
         vocab_size=int(raw["vocab_size"]), max_seq_len=int(raw.get("max_position_embeddings", 2048)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)), norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta, norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), seed=seed,
     )
 
