@@ -239,16 +239,23 @@ def test_packing_puts_every_trainable_token_in_exactly_one_micro_step_within_bud
     assert [m.index for m in micro] == list(range(pb.micro_steps)) and q.closed
     seen: Counter = Counter()
     per_exec = Counter()
+    where: dict[int, set] = {}
+    length: Counter = Counter()
     for m in micro:
         assert len(m.packs) == dp
-        for p in m.packs:
+        for k, p in enumerate(m.packs):
             assert p.tokens <= budget
             for r in p.rows:
+                where.setdefault(r.row.execution_id, set()).add((m.index, k))
+                length[r.row.execution_id] += len(r)
                 w = r.loss_weights
                 per_exec[r.row.execution_id] += float(w.double().sum())
                 for rid in r.row.response_ids[w > 0].tolist():
                     seen[(r.row.execution_id, rid)] += 1
     assert seen == +expected  # every unique trainable token exactly once, nothing else
+    for eid, places in where.items():  # an execution that fits one pack is in one pack: exact s_e
+        assert len(places) == 1 or length[eid] > budget, (eid, places, length[eid])
+    assert pb.split_executions == sum(1 for eid in where if length[eid] > budget)
     n_exec = 2 * len(groups)
     for eid, total in per_exec.items():
         assert total == pytest.approx(1 / n_exec, rel=1e-5)  # equal weight per execution

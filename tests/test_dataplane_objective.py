@@ -212,3 +212,38 @@ def test_every_execution_weighs_the_same_and_a_shared_response_counts_once(membe
         lp = batch.behaviour_logprobs.double() + torch.tensor([shift[int(s)] for s in batch.exec_slots])
         losses.append(gspo_loss(lp, batch, log_ratio_sums(lp, batch)).item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_microstep_objective_on_whole_executions_is_the_batch_objective(seed: int) -> None:
+    """Split a batch by execution (as the packer does): each part's own loss, with its own ratio
+    sums, adds up to the batch loss with batch-wide sums; and its figures count what happened."""
+    from gyre_core.dataplane.objective import microstep_objective
+
+    batch, logp = random_batch(seed)
+    lp = logp.clone().requires_grad_()
+    whole = gspo_loss(lp, batch, log_ratio_sums(logp, batch))
+    whole.backward()
+    ref_loss, _ = reference(logp.tolist(), batch, CFG)
+    total, grads, clipped, execs = 0.0, torch.zeros_like(logp), 0.0, 0.0
+    for part in range(3):
+        idx = torch.nonzero(batch.exec_slots % 3 == part).squeeze(1)
+        sub = TokenBatch(batch.token_ids[idx], torch.tensor([0, len(idx)]), batch.loss_weights[idx],
+                         batch.behaviour_logprobs[idx], batch.advantages[idx], batch.exec_slots[idx],
+                         batch.n_executions)
+        lpk = logp[idx].clone().requires_grad_()
+        loss, fig = microstep_objective(lpk, sub)
+        loss.backward()
+        total += loss.item()
+        grads[idx] = lpk.grad
+        clipped += float(fig["clipped"])
+        execs += float(fig["executions"])
+        assert float(fig["loss"]) == pytest.approx(loss.item(), rel=1e-12)
+    assert total == pytest.approx(whole.item(), rel=1e-12) and total == pytest.approx(ref_loss, rel=1e-9)
+    assert torch.allclose(grads, lp.grad, rtol=1e-12, atol=1e-18)
+    adv = {int(s): float(a) for s, a in zip(batch.exec_slots, batch.advantages)}
+    sums = log_ratio_sums(logp, batch)
+    s = torch.exp(sums[0] / sums[1])
+    expect = sum(1 for e in range(batch.n_executions)
+                 if (adv[e] > 0 and s[e] > 1 + CFG.clip_high) or (adv[e] < 0 and s[e] < 1 - CFG.clip_low))
+    assert execs == batch.n_executions and clipped == expect and expect > 0
