@@ -105,3 +105,56 @@ def test_flipped_advantages_flip_the_gradient_and_zero_advantages_give_none(worl
         np.testing.assert_allclose(g_neg[n], -g_pos[n], rtol=0, atol=1e-6 * scale, err_msg=n)
         assert not np.any(g_zero[n]), n
     assert fig0["loss"] == 0.0 and fig0["clipped"] == 0
+
+
+@pytest.fixture(scope="module")
+def world_k2(tmp_path_factory):
+    from gyre_megatron.export import load_hf_qwen2, publish
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+
+    with World(RankOptions(cells=2, pp=1, normalise_by_tokens=False), n_queues=2) as w:
+        ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo-k2"))}, version=0)
+        yield w, load_hf_qwen2(ref.location).double()
+
+
+@pytest.mark.mooncake
+def test_a_satellite_that_joins_trains_the_same_objective(world_k2) -> None:
+    """The same GSPO micro-steps, once on the core alone and once with a satellite that joins
+    mid-batch: the cells' losses add up to the reference, and the update is the same."""
+    import time
+
+    from gyre_megatron.testing import feed_in_bursts
+
+    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda + libibverbs1)")
+    w, hf = world_k2
+    micro = make_gspo_microsteps(hf, OFFSETS, ADVANTAGES, spike=SPIKE, seed=5)
+    ref_loss, _ = _reference(hf, micro)
+    core, sat = w.ranks_of(0), w.ranks_of(1)
+    w.call(core + sat, "save_state")
+    tk = w.submit(core, "run_step", 0, 0)
+    feed_in_bursts(w.queues[0], micro, burst=4, gap_s=0)
+    alone = w.wait(tk, 120)
+    params_a = w.call(core, "params_numpy")
+    w.call(core + sat, "restore_state")
+    q = w.queues[1]
+    tk_core = w.submit(core, "run_step", 1, 1)
+    q.put(micro[0])
+    deadline = time.monotonic() + 30
+    while q.unclaimed() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tk_sat = w.submit(sat, "run_step", 1, 1)
+    time.sleep(1.0)  # let the satellite register and pull before the rest arrives
+    feed_in_bursts(q, micro[1:], burst=1, gap_s=0.3).join()
+    b_core, b_sat = w.wait(tk_core, 120), w.wait(tk_sat, 120)
+    assert b_sat[0]["joined"] and b_sat[0]["m"] == 2 and b_sat[0]["micro_steps"] >= 1
+    assert alone[0]["objective"]["loss"] == pytest.approx(ref_loss, rel=1e-6)
+    joined = b_core[0]["objective"]["loss"] + b_sat[0]["objective"]["loss"]
+    print(f"\nGSPO join: core {b_core[0]['micro_steps']} / satellite {b_sat[0]['micro_steps']} micro-steps; "
+          f"loss alone {alone[0]['objective']['loss']:.9f}, joined {joined:.9f}, ref {ref_loss:.9f}")
+    assert joined == pytest.approx(ref_loss, rel=1e-6)
+    assert b_core[0]["objective"]["clipped"] + b_sat[0]["objective"]["clipped"] == EXPECTED_CLIPPED
+    params_b = w.call(core, "params_numpy")
+    for pa, pb in zip(params_a, params_b):
+        for name in pa:
+            np.testing.assert_allclose(pb[name], pa[name], rtol=0, atol=5e-6, err_msg=name)

@@ -181,7 +181,7 @@ def microstep_objective(
         log_s = torch.where(present, sums[0] / sums[1].clamp_min(torch.finfo(sums.dtype).tiny), 0.0)
         s = torch.exp(log_s)
         adv = torch.zeros(batch.n_executions, dtype=sums.dtype, device=sums.device)
-        adv.index_reduce_(0, batch.exec_slots, batch.advantages.to(sums.dtype), "amax", include_self=False)
+        adv[batch.exec_slots] = batch.advantages.to(sums.dtype)  # one advantage per execution
         clipped = present & (((adv > 0) & (s > 1 + config.clip_high)) | ((adv < 0) & (s < 1 - config.clip_low)))
         weighted = batch.loss_weights > 0
         ratio = torch.exp(_deltas(logprobs.detach(), batch))[weighted]

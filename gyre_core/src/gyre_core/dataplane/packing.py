@@ -57,6 +57,10 @@ class PackingConfig:
     min_fill: float = 0.98
     low_watermark: int = 2
     max_pending_micro_steps: float = 4.0
+    whole_executions: bool = True
+    """Keep all rows of an execution in one pack when they fit the budget together, so the
+    objective's execution ratio is exact in every micro-step. ``False`` packs row by row (about
+    2 points more efficient on long-tailed lengths; a split execution's ratio is then per pack)."""
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.dp_size < 1:
@@ -191,9 +195,13 @@ class _RowPool:
         return out
 
 
-def _units(rows: list[TrainingRow], budget: int) -> tuple[list[_Unit], int]:
+def _units(rows: list[TrainingRow], budget: int, whole: bool = True) -> tuple[list[_Unit], int]:
     """One unit per execution, so its ratio ``s_e`` is complete in one pack; an execution whose
-    rows together exceed the budget is split into one unit per row. Also: how many were split."""
+    rows together exceed the budget (or every execution, with ``whole=False``) is split into one
+    unit per row. Also: how many executions with several rows were split."""
+    if not whole:
+        multi = {r.exec_slot for r in rows if sum(1 for x in rows if x.exec_slot == r.exec_slot) > 1}
+        return [(r,) for r in rows], len(multi)
     by_exec: dict[int, list[TrainingRow]] = {}
     for r in rows:
         by_exec.setdefault(r.exec_slot, []).append(r)
@@ -270,7 +278,7 @@ class StreamPackingBuffer:
             self._trajectories.take(group_id)
             self.assigned.append(group_id)
             self._pulls = max(0, self._pulls - 1)
-            units, split = _units(rows, self.config.token_budget)
+            units, split = _units(rows, self.config.token_budget, self.config.whole_executions)
             self.split_executions += split
             for u in units:
                 self._pool.add(u)

@@ -183,7 +183,8 @@ class LiveOrchestrator:
         self.sched = Scheduler(cfg.scheduler)
         self.buffer = TrajectoryBuffer(cfg.scheduler.group_size, cfg.scheduler.short_group)
         self.ledger = AssessmentLedger()
-        self.packing_cfg = PackingConfig(token_budget=cfg.dataplane.token_budget, dp_size=1, min_fill=0.5)
+        self.packing_cfg = PackingConfig(token_budget=cfg.dataplane.token_budget, dp_size=1, min_fill=0.5,
+                                         whole_executions=cfg.dataplane.whole_executions)
         self._events: asyncio.Queue[ev.Event] = asyncio.Queue()
         self._t0 = clock()
         self._execs: dict[int, _Execution] = {}

@@ -82,6 +82,8 @@ class DataPlaneSection:
     """Trajectories selected per execution."""
     token_budget: int = 2048
     """Tokens per micro-step per data-parallel rank."""
+    whole_executions: bool = True
+    """Pack all rows of an execution together (exact execution ratios; see PackingConfig)."""
 
 
 @dataclass
