@@ -42,6 +42,7 @@ from gyre_core.interfaces import (
 from gyre_core.orchestrator.harness import classify_end
 from gyre_core.orchestrator.journal import Journal, Replay, event_from_json, selected_from_json, selected_to_json, tree_from_json, tree_to_json
 from gyre_core.orchestrator.run_config import RunConfig
+from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome, Role
 from gyre_core.scheduler.state_machine import Scheduler
@@ -96,36 +97,6 @@ def _with_exit(spec: ExecutionSpec, harness_exit: Mapping[str, Any]) -> Executio
     """``spec`` with the harness's exit for the evaluator: ``extra["harness_exit"]`` (the code)
     and ``extra["harness_end"]`` (:data:`gyre_core.orchestrator.harness.HARNESS_ENDS`)."""
     return replace(spec, extra={**spec.extra, "harness_exit": harness_exit["code"], "harness_end": harness_exit["end"]})
-
-
-def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
-    """A step's training figures from its cells' per-rank statistics (each cell's last stage
-    reports its objective figures, the core its gradient norm): loss, grad norm, the fraction of
-    executions clipped, mean and max importance ratio π/π_b over trained tokens, tokens trained.
-    ``None`` where a backend reported nothing."""
-    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0}
-    ratio_max, grad_norm, seen = 0.0, None, False
-    for infos in cell_infos:
-        for info in infos:
-            fig = info.get("objective")
-            if fig:
-                seen = True
-                for k in total:
-                    total[k] += float(fig.get(k, 0.0))
-                ratio_max = max(ratio_max, float(fig.get("ratio_max", 0.0)))
-            if info.get("grad_norm") is not None:
-                grad_norm = float(info["grad_norm"])
-    if not seen:
-        return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "ratio_mean": None,
-                "ratio_max": None, "tokens": None}
-    return {
-        "loss": round(total["loss"], 6),
-        "grad_norm": None if grad_norm is None else round(grad_norm, 6),
-        "clip_fraction": round(total["clipped"] / total["executions"], 4) if total["executions"] else None,
-        "ratio_mean": round(total["ratio_sum"] / total["tokens"], 4) if total["tokens"] else None,
-        "ratio_max": round(ratio_max, 4) if total["tokens"] else None,
-        "tokens": int(total["tokens"]),
-    }
 
 
 def _jsonable(obj: Any) -> Any:

@@ -1,0 +1,42 @@
+"""A step's training figures, as the console, ``events.jsonl`` and ``summary.json`` show them.
+
+Backends report per rank (:attr:`TrainingSide.last_step_info`-style dicts): each cell's last
+pipeline stage its share of the objective's figures (``objective``: sums over its micro-steps),
+the core its gradient norm. The step's figures are the sums over cells, and the ratios of sums.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+__all__ = ["training_figures"]
+
+
+def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """A step's training figures from its cells' per-rank statistics (each cell's last stage
+    reports its objective figures, the core its gradient norm): loss, grad norm, the fraction of
+    executions clipped, mean and max importance ratio π/π_b over trained tokens, tokens trained.
+    ``None`` where a backend reported nothing."""
+    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0}
+    ratio_max, grad_norm, seen = 0.0, None, False
+    for infos in cell_infos:
+        for info in infos:
+            fig = info.get("objective")
+            if fig:
+                seen = True
+                for k in total:
+                    total[k] += float(fig.get(k, 0.0))
+                ratio_max = max(ratio_max, float(fig.get("ratio_max", 0.0)))
+            if info.get("grad_norm") is not None:
+                grad_norm = float(info["grad_norm"])
+    if not seen:
+        return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "ratio_mean": None,
+                "ratio_max": None, "tokens": None}
+    return {
+        "loss": round(total["loss"], 6),
+        "grad_norm": None if grad_norm is None else round(grad_norm, 6),
+        "clip_fraction": round(total["clipped"] / total["executions"], 4) if total["executions"] else None,
+        "ratio_mean": round(total["ratio_sum"] / total["tokens"], 4) if total["tokens"] else None,
+        "ratio_max": round(ratio_max, 4) if total["tokens"] else None,
+        "tokens": int(total["tokens"]),
+    }
