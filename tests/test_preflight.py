@@ -123,3 +123,17 @@ def test_error_log_keeps_every_traceback(tmp_path: Path) -> None:
     text = path.read_text()
     assert text.count("Traceback (most recent call last)") >= 3  # ours, the remote one, the root
     assert "CUDA out of memory on rank 1" in text and "libibverbs.so.1" in text
+
+
+def test_an_unsupported_architecture_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    pytest.importorskip("gyre_megatron")
+    import json
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "rope_scaling": {"type": "yarn"}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    problems = preflight(load_run_config(None, {"model.dir": str(tmp_path)}), plugin_manager())
+    (line,) = [p for p in problems if "unsupported model" in p]
+    assert line.startswith("model.dir:") and "model_type 'llama'" in line and "rope_scaling" in line
