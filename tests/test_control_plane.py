@@ -30,6 +30,21 @@ def test_key_file_is_private_and_readable(tmp_path) -> None:
     assert read_key(tmp_path / "k") == key
 
 
+def test_a_key_others_may_read_or_a_symlinked_key_is_refused(tmp_path) -> None:
+    key = write_key(tmp_path / "k")
+    os.chmod(tmp_path / "k", 0o666)
+    with pytest.raises(ValueError, match="mode 666"):
+        read_key(tmp_path / "k")
+    os.chmod(tmp_path / "k", 0o600)
+    (tmp_path / "link").symlink_to(tmp_path / "k")
+    with pytest.raises(ValueError, match="symlink"):
+        read_key(tmp_path / "link")
+    (tmp_path / "planted").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        write_key(tmp_path / "planted")  # never written through a planted link
+    assert not (tmp_path / "elsewhere").exists() and read_key(tmp_path / "k") == key
+
+
 def test_run_defaults_bind_loopback() -> None:
     from gyre_core.orchestrator.run_config import RunConfig
 

@@ -64,11 +64,11 @@ def test_single_cell_run_does_not_need_mooncake(tmp_path: Path) -> None:
 
 
 def test_every_missing_part_gets_its_own_line(tmp_path: Path) -> None:
-    cfg = load_run_config(None, {"model.dir": str(tmp_path / "no-such-model"), "harness.kind": "claude-code",
+    cfg = load_run_config(None, {"model.dir": str(tmp_path), "harness.kind": "claude-code",
                                  "harness.claude_bin": str(tmp_path / "claude-not-here")})
     pm = plugin_manager()
     problems = preflight(cfg, pm)
-    assert any(p.startswith("model.dir:") and "not a directory" in p for p in problems), problems
+    assert any(p.startswith("model.dir:") and "has no config.json" in p for p in problems), problems
     assert any(p.startswith("harness.claude_bin:") and "npm install" in p for p in problems), problems
     with pytest.raises(PreflightFailed) as e:
         check_preflight(cfg, pm)

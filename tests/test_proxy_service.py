@@ -256,3 +256,37 @@ def test_selected_rows_train_only_sampled_tokens(renderer: ChatRenderer) -> None
     (rec,) = svc.records(eid).calls
     assert row.loss_mask.sum().item() == len(rec.output_ids)
     assert row.token_ids.tolist() == svc.records(eid).input_ids(rec) + list(rec.output_ids)
+
+
+def test_no_credential_is_ever_recorded_whatever_its_header(renderer: ChatRenderer) -> None:
+    """Recorded headers are an allowlist: a secret under a name nobody foresaw stays out of the tree."""
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    eng.script(renderer.encode("ok<|im_end|>"))
+    headers = {"Authorization": "Bearer s1", "x-api-key": "s2", "x-auth-token": "s3", "anthropic-api-key": "s4",
+               "x-goog-api-key": "s5", "openai-organization": "s6", "cookie": "s7", "x-gyre-agent-id": "a1",
+               "user-agent": "claude-cli/2", "x-stainless-lang": "js", "x-claude-code-session-id": "sess"}
+    run(svc.complete(req(eid, [ChatMessage("user", "hi")], headers=headers)))
+    (node,) = [n for n in svc.records(eid).tree if n.metadata.get("headers")]
+    recorded = node.metadata["headers"]
+    assert recorded == {"x-gyre-agent-id": "a1", "user-agent": "claude-cli/2", "x-stainless-lang": "js",
+                        "x-claude-code-session-id": "sess"}
+    assert not any(f"s{i}" in json.dumps(dict(node.metadata)) for i in range(1, 8))
+
+
+@pytest.mark.parametrize("eid, sampling, says", [
+    (10**30, None, "execution_id must be an integer in [0, 2147483648)"),
+    (-1, None, "execution_id"),
+    (None, {"max_new_tokens": "abc"}, "sampling.max_new_tokens"),
+    (None, {"temperature": float("nan")}, "sampling.temperature"),
+    (None, {"top_p": 0}, "sampling.top_p"),
+    (None, {"top_p": 5}, "sampling.top_p"),
+    (None, {"seed_of_doom": 1}, "sampling.seed_of_doom: unknown"),
+    (None, {"regex": 7}, "sampling.regex"),
+])
+def test_creation_refuses_unbounded_ids_and_bad_sampling(renderer: ChatRenderer, eid, sampling, says) -> None:
+    svc, _ = make(renderer)
+    with pytest.raises(ProxyError) as e:
+        svc.create_execution(eid, sampling=sampling)
+    assert e.value.status == 400 and says in str(e.value)
+    assert svc.create_execution()[0] == 0  # nothing was registered: the next automatic id is 0

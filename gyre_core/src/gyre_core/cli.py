@@ -58,6 +58,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=[m.value for m in Mode], help="scheduling mode (scheduler.mode)")
     run.add_argument("--out", help="output directory (run.out_dir)")
     run.add_argument("--resume", action="store_true", help="continue the run journalled in the output directory")
+    run.add_argument("--force-resume", action="store_true",
+                     help="with --resume: continue even if settings the journal depends on changed")
     run.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
 
     px = sub.add_parser("proxy", help="serve the TITO proxy in front of SGLang engines")
@@ -235,8 +237,10 @@ def _run(args: argparse.Namespace) -> int:
     from gyre_core.orchestrator.embedded import run_live
     from gyre_core.orchestrator.failure import RunError
 
+    if args.force_resume and not args.resume:
+        raise ConfigError("--force-resume needs --resume")
     try:
-        summary = run_live(cfg)
+        summary = run_live(cfg, force_resume=args.force_resume)
     except RunError as exc:
         print(f"gyre-orchestrate: run failed: {exc.causes[0] if exc.causes else exc}", file=sys.stderr)
         for line in exc.causes[1:]:
@@ -254,6 +258,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from gyre_core.orchestrator.journal import JournalError
     from gyre_core.simulator.engine import SimulationStalled
     from gyre_core.simulator.workload import TraceError
 
@@ -266,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         return _plugins()
-    except (ConfigError, TraceError, OSError) as exc:  # bad input: nothing ran
+    except (ConfigError, TraceError, OSError, JournalError) as exc:  # bad input: nothing ran
         print(f"gyre-orchestrate: error: {exc}", file=sys.stderr)
         return 2
     except SimulationStalled as exc:

@@ -42,14 +42,27 @@ def write_key(path: str | Path) -> bytes:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_hex(32)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_EXCL | O_NOFOLLOW: never write the key through a symlink someone planted, nor into a file
+    # another user already opened (its mode would not be ours)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key)
     return key.encode()
 
 
 def read_key(path: str | Path) -> bytes:
-    key = Path(path).read_text().strip()
+    """The key in ``path``, refused when anyone but its owner may read or write it (or it is a
+    symlink): a key others can read lets them drive the ranks."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValueError(f"control key {path}: cannot be opened ({e.strerror}; a symlink is refused)") from None
+    with os.fdopen(fd) as f:
+        mode = os.fstat(f.fileno()).st_mode & 0o777
+        if mode & 0o077:
+            raise ValueError(f"control key {path} has mode {mode:o}: only its owner may read it (chmod 600)")
+        key = f.read().strip()
     if len(key) < 32:
         raise ValueError(f"control key in {path} is too short")
     return key.encode()

@@ -237,7 +237,8 @@ class CellRank(RankChecks):
             return {}
         # Clone what torch.load made: its storages are not resizable, so leave_training could no
         # longer release them in place (the optimizer keeps the loaded state tensors as they are).
-        state = _owned(torch.load(f"{path}.stage{self.stage}", weights_only=False))
+        # weights_only: a checkpoint path comes from the journal, and loading must not run code
+        state = _owned(torch.load(f"{path}.stage{self.stage}", weights_only=True))
         with torch.no_grad():
             for p, saved in zip(self.params, state["params"], strict=True):
                 p.copy_(saved)

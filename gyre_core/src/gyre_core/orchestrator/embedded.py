@@ -44,16 +44,38 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 JOURNAL = "journal.jsonl"
 """The run's durable state in ``run.out_dir`` (see :mod:`gyre_core.orchestrator.journal`)."""
 
-RESUME_MUST_MATCH = ("scheduler", "task", "dataplane", "model")
-"""Sections a resumed run must share with the journalled one (the rest may change, e.g. timeouts)."""
+RESUME_MAY_CHANGE = ("run.steps", "run.max_wall_s", "run.out_dir", "run.resume", "training.step_timeout_s",
+                     "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.")
+"""What a resumed run may change (how long and how watched it runs, where it listens): everything
+else shapes what the journal recorded (the scheduler, the task, sampling, the objective, the
+harness, the seed) and must match, unless the resume is forced."""
 
 
-def _check_resumable(replay: Replay, cfg: RunConfig) -> None:
-    now = cfg.as_dict()
-    for section in RESUME_MUST_MATCH:
-        if replay.config.get(section) != now[section]:
-            raise ConfigError(f"{section}: differs from the journalled run's; a resume must keep "
-                              f"{', '.join(RESUME_MUST_MATCH)} unchanged")
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(journalled: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Keys whose value differs between the journalled run's config and ``now``, except those a
+    resume may change (:data:`RESUME_MAY_CHANGE`)."""
+    a, b = _flat(journalled), _flat(now)
+    return sorted(k for k in a.keys() | b.keys()
+                  if a.get(k) != b.get(k) and not any(k == m or (m.endswith(".") and k.startswith(m))
+                                                      for m in RESUME_MAY_CHANGE))
+
+
+def _check_resumable(replay: Replay, cfg: RunConfig, force: bool = False) -> list[str]:
+    changed = config_changes(replay.config, cfg.as_dict())
+    if changed and not force:
+        raise ConfigError(f"a resume must keep what the journal depends on; changed: {', '.join(changed)} "
+                          "(restore them, or pass --force-resume to continue with the new values)")
+    return changed
 
 
 def _plugin_manager(extra_plugins: Sequence[Any] = ()) -> Any:
@@ -127,6 +149,7 @@ def run_live(
     *,
     plugins: Sequence[Any] = (),
     on_started: Callable[[dict[str, Any]], Any] | None = None,
+    force_resume: bool = False,
 ) -> dict[str, Any]:
     """Run ``cfg`` to its end and return the summary (also written to ``summary.json``).
 
@@ -144,7 +167,9 @@ def run_live(
     journal_path = out / JOURNAL
     if cfg.run.resume:
         replay = Replay.load(journal_path)
-        _check_resumable(replay, cfg)
+        changed = _check_resumable(replay, cfg, force_resume)
+        if changed:
+            say(f"resuming with changed settings (forced): {', '.join(changed)}")
     elif journal_path.exists():
         raise ConfigError(f"run.out_dir: {out} holds a run already: pass --resume to continue it, or another --out")
     else:
@@ -249,6 +274,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     say(f"proxy on {proxy_url}; running {cfg.run.steps} step(s) in {cfg.scheduler.mode.value} mode")
     try:
         journal = Journal(out / JOURNAL, fresh=replay is None)
+        if journal.cut_bytes:
+            say(f"journal: cut a torn last record ({journal.cut_bytes} bytes, a crash mid-write; it never took effect)")
         with open(out / "events.jsonl", "a" if replay is not None else "w") as event_log:
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,

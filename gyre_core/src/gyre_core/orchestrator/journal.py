@@ -33,7 +33,7 @@ from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome, Role
 from gyre_core.trajectory import SelectedTrajectory, TrajectoryTree, TreeNode
 
-__all__ = ["Journal", "JournalError", "Replay", "read_journal", "tree_from_json", "tree_to_json"]
+__all__ = ["Journal", "JournalError", "Replay", "cut_torn_tail", "read_journal", "tree_from_json", "tree_to_json"]
 
 _EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -43,7 +43,7 @@ _EVENT_TYPES: dict[str, type] = {
 
 
 class JournalError(RuntimeError):
-    """The journal is missing, torn in the middle, or belongs to a different configuration."""
+    """The journal is missing, corrupt (named by ``path:line``), or belongs to a different run."""
 
 
 # ------------------------------------------------------------------------------------- codecs
@@ -58,6 +58,8 @@ def event_to_json(event: ev.Event) -> dict[str, Any]:
 
 
 def event_from_json(d: dict[str, Any]) -> ev.Event:
+    if d.get("type") not in _EVENT_TYPES:
+        raise ValueError(f"unknown event type {d.get('type')!r}")
     cls = _EVENT_TYPES[d["type"]]
     kw = {k: v for k, v in d.items() if k != "type"}
     if cls is ev.ExecutionEnded:
@@ -97,6 +99,8 @@ class Journal:
         if fresh and self.path.exists():
             raise JournalError(f"{self.path} exists: resume the run (--resume) or choose another run.out_dir")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.cut_bytes = 0 if fresh else cut_torn_tail(self.path)
+        """Bytes of a torn last record removed on open (a crash mid-write); 0 if none."""
         self._f: IO[str] = open(self.path, "a", encoding="utf-8")
 
     def write(self, kind: str, **data: Any) -> None:
@@ -111,21 +115,50 @@ class Journal:
         self._f.close()
 
 
+def cut_torn_tail(path: Path) -> int:
+    """Truncate ``path`` back to its last complete record (each record is written as one line with
+    its newline, then fsynced, so a record without its newline is one a crash cut short and that
+    never took effect). Returns how many bytes were removed. Without this, the next record would
+    be glued onto the fragment and lost at the following resume."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data) - keep
+
+
 def read_journal(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The journal's records; a torn *last* line (a crash mid-write) is ignored, any other is an error."""
+    """The journal's records, each a JSON object. A torn *last* line (a crash mid-write, no newline)
+    is skipped; anything else that cannot be read is a :class:`JournalError` naming ``path:line``."""
     p = Path(path)
     if not p.exists():
         raise JournalError(f"no journal at {p}: nothing to resume")
-    lines = p.read_text(encoding="utf-8").split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise JournalError(f"{p}: cannot be read ({e})") from e
+    lines = data.split(b"\n")
+    torn = not data.endswith(b"\n")
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
+        last = i == len(lines) - 1
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError as e:
-            if i >= len(lines) - 2:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if last and torn:
                 return  # the crash cut the last record short: it never took effect
-            raise JournalError(f"{p}:{i + 1}: corrupt record ({e})") from e
+            raise JournalError(f"{p}:{i + 1}: corrupt record ({type(e).__name__}: {e})") from e
+        if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
+            raise JournalError(f"{p}:{i + 1}: not a journal record (a JSON object with a 'kind')")
+        rec["_line"] = i + 1
+        yield rec
 
 
 @dataclass
@@ -146,20 +179,30 @@ class Replay:
     def load(cls, path: str | Path) -> "Replay":
         r = cls()
         for rec in read_journal(path):
-            kind = rec.get("kind")
+            kind = rec["kind"]
+            try:
+                if kind == "config":
+                    r.config = dict(rec["config"])
+                elif kind == "event":
+                    r.events.append((float(rec["t"]), event_from_json(rec["event"])))
+                elif kind in ("scored", "placeholder"):
+                    r.scored[int(rec["execution_id"])] = rec
+                    if kind == "scored":
+                        float(rec["reward"])
+                elif kind == "excluded":
+                    r.excluded.add(int(rec["execution_id"]))
+                elif kind == "checkpoint":
+                    r.checkpoints[int(rec["step"])] = str(rec["path"])
+                elif kind == "published":
+                    r.published[int(rec["version"])] = str(rec["location"])
+                elif kind == "trajectory":
+                    int(rec["execution_id"]), tree_from_json(rec["tree"]), selected_from_json(rec["selected"])
+                else:
+                    raise ValueError(f"unknown record kind {kind!r}")
+            except (KeyError, ValueError, TypeError) as e:
+                what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+                raise JournalError(f"{path}:{rec['_line']}: bad {kind!r} record ({what})") from e
             r.order.append(rec)
-            if kind == "config":
-                r.config = rec["config"]
-            elif kind == "event":
-                r.events.append((float(rec["t"]), event_from_json(rec["event"])))
-            elif kind in ("scored", "placeholder"):
-                r.scored[int(rec["execution_id"])] = rec
-            elif kind == "excluded":
-                r.excluded.add(int(rec["execution_id"]))
-            elif kind == "checkpoint":
-                r.checkpoints[int(rec["step"])] = rec["path"]
-            elif kind == "published":
-                r.published[int(rec["version"])] = rec["location"]
         if not r.config:
             raise JournalError(f"{path}: no config record (not a Gyre run journal)")
         return r

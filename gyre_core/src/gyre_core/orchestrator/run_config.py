@@ -198,6 +198,27 @@ class RunConfig:
         need(self.dataplane.token_budget >= 64, "dataplane.token_budget", "must be ≥ 64")
         need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
         need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
+        need(self.training.clip_grad >= 0 and math.isfinite(self.training.clip_grad), "training.clip_grad",
+             "must be ≥ 0 (0: no clipping)")
+        need(self.training.step_timeout_s > 0, "training.step_timeout_s", "must be > 0")
+        need(self.run.seed >= 0, "run.seed", "must be ≥ 0")
+        need(self.harness.overall_budget_s > 0, "harness.overall_budget_s", "must be > 0")
+        need(self.serving.start_timeout_s > 0, "serving.start_timeout_s", "must be > 0")
+        need(0 < self.sampling.top_p <= 1, "sampling.top_p", "must lie in (0, 1]")
+        need(bool(self.proxy.host.strip()), "proxy.host",
+             "must not be empty (an empty host binds every interface; name 0.0.0.0 to mean that)")
+        need(bool(self.cluster.engine_host.strip()), "cluster.engine_host", "must not be empty")
+        need(self.scheduler.cells <= 4096, "scheduler.cells", "must be ≤ 4096")
+        if self.model.dir:
+            need(Path(self.model.dir).is_dir(), "model.dir",
+                 f"{self.model.dir} is not a directory (expected an HF model folder with config.json)")
+        else:  # the tiny model is built from these sizes (4 attention heads, 2 KV groups)
+            need(self.model.hidden_size >= 8 and self.model.hidden_size % 4 == 0, "model.hidden_size",
+                 "must be ≥ 8 and a multiple of 4 (the tiny model has 4 attention heads)")
+            need(self.model.num_layers >= 1, "model.num_layers", "must be ≥ 1")
+            need(self.model.num_layers % self.training.pp == 0, "model.num_layers",
+                 "must be a multiple of training.pp (each pipeline stage holds the same number of layers)")
+            need(self.model.vocab_size >= 300, "model.vocab_size", "must be ≥ 300 (bytes and special tokens)")
         need(self.training.importance_cap > 0 and math.isfinite(self.training.importance_cap),
              "training.importance_cap", "must be a positive number")
         need(0 <= self.training.clip_low < 1, "training.clip_low", "must lie in [0, 1)")

@@ -49,7 +49,7 @@ import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Protocol
 
 from gyre_core.proxy.http_io import read_body, until_done_or_gone
-from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall
+from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall, recordable_headers
 
 if TYPE_CHECKING:
     from fastapi import APIRouter
@@ -88,7 +88,6 @@ _ERROR_TYPES: Mapping[str, str] = {
     "engine": "api_error",
 }
 
-_SECRET_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie"})
 _IGNORED_BLOCK_TYPES = frozenset({"redacted_thinking"})
 _PLACEHOLDER = {"image": "[image omitted: text-only model]", "document": "[document omitted: text-only model]"}
 
@@ -331,7 +330,7 @@ def to_chat_request(body: Mapping[str, Any], *, execution_id: str, headers: Mapp
         max_tokens=max_tokens,
         stream=stream,
         api="anthropic",
-        headers={k.lower(): v for k, v in headers.items() if k.lower() not in _SECRET_HEADERS},
+        headers=recordable_headers(headers),
     )
 
 

@@ -22,7 +22,7 @@ from gyre_core.proxy.app import (
 )
 from gyre_core.proxy.http_io import until_done_or_gone
 from gyre_core.proxy.service import ProxyService
-from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall
+from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall, recordable_headers
 
 __all__ = ["openai_face", "request_from_openai", "response_to_openai"]
 
@@ -124,7 +124,7 @@ def request_from_openai(body: Any, execution_id: str, headers: Mapping[str, str]
         max_tokens=max_tokens,
         stream=stream,
         api="openai",
-        headers=dict(headers),
+        headers=recordable_headers(headers),
     )
     return request, include_usage
 

@@ -80,7 +80,7 @@ from gyre_core.proxy.parse import parse_output
 from gyre_core.proxy.records import CallRecord, ExecutionRecords
 from gyre_core.proxy.render import ChatRenderer, tools_key
 from gyre_core.proxy.routing import EngineRouter, NoEngineAvailable, RerouteResult
-from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, Usage
+from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, Usage, recordable_headers
 from gyre_core.proxy.validate import validate_messages, validate_tools
 from gyre_core.selection import select_trajectories
 from gyre_core.trajectory import Provenance, SelectedTrajectory
@@ -92,7 +92,6 @@ CONSTRAINT_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 AGENT_ID_HEADERS = ("x-gyre-agent-id", "x-claude-code-agent-id", "x-agent-id")
 PARENT_AGENT_HEADERS = ("x-gyre-parent-agent-id", "x-claude-code-parent-agent-id")
-_SECRET_HEADERS = frozenset({"authorization", "x-api-key", "cookie", "proxy-authorization"})
 
 
 @dataclass(frozen=True)
@@ -159,6 +158,41 @@ class ExecutionLeaf:
 
     execution_id: int
     metadata: Mapping[str, Any]
+
+
+MAX_EXECUTION_ID = 2**31
+"""Execution ids are bounded: automatic ids count up from the largest, and trajectory response ids
+pack the execution into 31 bits."""
+
+SAMPLING_RULES: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 100.0), "top_p": (float, 0.0, 1.0), "top_k": (int, -1, 1 << 20),
+    "min_p": (float, 0.0, 1.0), "max_new_tokens": (int, 1, 1 << 20),
+    "repetition_penalty": (float, 0.0, 100.0), "frequency_penalty": (float, -2.0, 2.0),
+    "presence_penalty": (float, -2.0, 2.0),
+}
+"""Per-execution sampling the proxy accepts at creation: type and inclusive range (the run
+config's ``[sampling]`` follows the same rules; ``top_p`` must moreover be > 0)."""
+
+
+def validate_sampling(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """``sampling`` checked key by key (:data:`SAMPLING_RULES`), or a 400 naming the bad key."""
+    out: dict[str, Any] = {}
+    for k, v in sampling.items():
+        if k in CONSTRAINT_KEYS:  # grammar constraints, passed to the engine (their output is never a target)
+            if not isinstance(v, str) or len(v) > 1 << 20:
+                raise ProxyError(400, "invalid_request", f"sampling.{k}: must be a string (at most 1 MiB)")
+            out[k] = v
+            continue
+        rule = SAMPLING_RULES.get(k)
+        if rule is None:
+            raise ProxyError(400, "invalid_request", f"sampling.{k}: unknown (expected one of "
+                                                     f"{', '.join([*SAMPLING_RULES, *CONSTRAINT_KEYS])})")
+        kind, lo, hi = rule
+        ok_type = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+        if not ok_type or not math.isfinite(v) or not lo <= v <= hi or (k == "top_p" and v <= 0):
+            raise ProxyError(400, "invalid_request", f"sampling.{k}: must be a {kind.__name__} in [{lo}, {hi}]")
+        out[k] = kind(v)
+    return out
 
 
 def _key_hash(key: str) -> str:
@@ -240,8 +274,9 @@ class ProxyService:
         """Register an execution; returns its id and a fresh API key (shown once, stored hashed)."""
         if execution_id is None:
             execution_id = max(self._executions, default=-1) + 1
-        if isinstance(execution_id, bool) or not isinstance(execution_id, int) or execution_id < 0:
-            raise ProxyError(400, "invalid_request", "execution_id must be a non-negative integer")
+        if isinstance(execution_id, bool) or not isinstance(execution_id, int) or not 0 <= execution_id < MAX_EXECUTION_ID:
+            raise ProxyError(400, "invalid_request", f"execution_id must be an integer in [0, {MAX_EXECUTION_ID})")
+        sampling = validate_sampling(sampling or {})
         if execution_id in self._executions:
             raise ProxyError(409, "conflict", f"execution {execution_id} exists")
         key = "gyre-" + secrets.token_urlsafe(32)
@@ -418,7 +453,7 @@ class ProxyService:
         finish = result.finish_reason
         finish_reason = "length" if finish == "length" else ("tool_calls" if parsed.tool_calls else "stop")
         call_id = call.call_id
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SECRET_HEADERS}
+        headers = recordable_headers(request.headers)  # an allowlist: no credential is ever recorded
         agent_id = _first_header(request.headers, AGENT_ID_HEADERS)
         node_meta = {
             "call_id": call_id,

@@ -100,3 +100,24 @@ class ChatResponse:
     tool_calls: tuple[ToolCall, ...]
     finish_reason: Literal["stop", "length", "tool_calls"]
     usage: Usage
+
+
+RECORDED_HEADERS = frozenset({"user-agent", "anthropic-version", "anthropic-beta", "x-app", "content-type",
+                              "accept", "openai-beta"})
+"""Request headers the proxy may keep (in a call's metadata, hence trajectories and the journal),
+besides those under :data:`RECORDED_HEADER_PREFIXES`. An allowlist: a credential under a name
+nobody foresaw (``x-auth-token``, ``anthropic-api-key``, ``x-goog-api-key``...) is never recorded."""
+
+RECORDED_HEADER_PREFIXES = ("x-gyre-", "x-claude-code-", "x-stainless-", "x-agent-")
+"""Header families that describe the harness and its agents (ids, SDK versions), never credentials."""
+
+
+def recordable_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` lower-cased and cut down to the allowlist (:data:`RECORDED_HEADERS`, prefixes)."""
+    out: dict[str, str] = {}
+    for k, v in headers.items():
+        name = str(k).lower()
+        if (name in RECORDED_HEADERS or name.startswith(RECORDED_HEADER_PREFIXES)) and "key" not in name \
+                and "token" not in name and "auth" not in name and "secret" not in name:
+            out[name] = v
+    return out
