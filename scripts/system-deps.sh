@@ -62,6 +62,7 @@ check "$venv_pkg" "'$py -m venv' cannot create .venv/ (ensurepip missing)" venv_
 check libibverbs1 "libibverbs.so.1, loaded by Mooncake's transfer engine at every training step" \
     lib_loads libibverbs.so.1
 check libnuma1 "libnuma.so.1, linked by Mooncake's transfer engine" lib_loads libnuma.so.1
+check bubblewrap "bwrap, which runs each execution's harness in its own sandbox" have bwrap
 if [ "$purpose" = test ] && [ -z "${GYRE_SETUP_NO_NODE:-}" ]; then
     check nodejs "node, which runs the real Claude Code CLI in the claude_code tests" have node
     check npm "npm, which installs the pinned Claude Code CLI for those tests" have npm

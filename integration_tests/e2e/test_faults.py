@@ -217,7 +217,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     # A harness SIGKILLed mid-run left nothing to assess: excluded at once (not when its budget
     # ends), never a reward, never a zero.
     x8 = execs[8]
-    assert x8.harness_exit == {"code": -9, "end": "crashed"}
+    assert x8.harness_exit["end"] == "crashed" and x8.harness_exit["code"] in (-9, 128 + 9)  # 137: from its sandbox
     assert x8.fate == "excluded" and x8.reward is None and ledger.state(8) is EvalState.EXCLUDED
     assert ended_at_of(out, 8) < ledger.deadline(8) - 5.0
 

@@ -127,10 +127,11 @@ def _serving_dir(v0: WeightsRef, tokenizer_dir: Path) -> Path:
     return d
 
 
-async def _serve_proxy(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[Any], int]:
+async def _serve_proxy(app: Any, host: str, port: int, uds: str | None = None) -> tuple[Any, asyncio.Task[Any], int]:
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    config = (uvicorn.Config(app, uds=uds, log_level="warning", lifespan="off") if uds else
+              uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     for _ in range(200):
@@ -140,7 +141,7 @@ async def _serve_proxy(app: Any, host: str, port: int) -> tuple[Any, asyncio.Tas
             task.result()
         await asyncio.sleep(0.05)
     sockets = [s for srv in server.servers for s in srv.sockets]
-    return server, task, int(sockets[0].getsockname()[1])
+    return server, task, 0 if uds else int(sockets[0].getsockname()[1])
 
 
 def run_live(
@@ -271,6 +272,19 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"
+    sandbox, sock_server, sock_task, sock_dir = None, None, None, None
+    if cfg.harness.sandbox == "bwrap":
+        # the sandboxes' only way out: the proxy on a Unix socket in a private folder (short path:
+        # AF_UNIX allows ~100 bytes), relayed inside each sandbox to the proxy's own address
+        import tempfile
+
+        from gyre_core.orchestrator.sandbox import SandboxSpec
+
+        sock_dir = Path(tempfile.mkdtemp(prefix="gyre-proxy-"))
+        sock = str(sock_dir / "proxy.sock")
+        sock_server, sock_task, _ = await _serve_proxy(app, cfg.proxy.host, 0, uds=sock)
+        hide = [str(out.resolve())] + [str(Path(p).resolve()) for p in (cfg.cluster.key_file, cfg.model.dir) if p]
+        sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port).as_extra()
     say(f"proxy on {proxy_url}; running {cfg.run.steps} step(s) in {cfg.scheduler.mode.value} mode")
     try:
         journal = Journal(out / JOURNAL, fresh=replay is None)
@@ -279,7 +293,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         with open(out / "events.jsonl", "a" if replay is not None else "w") as event_log:
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
-                                    event_log=event_log, journal=journal, replay=replay)
+                                    event_log=event_log, journal=journal, replay=replay, sandbox=sandbox)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
                                              say, cfg, training).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
@@ -295,6 +309,12 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(serve_task, 10)
+        if sock_server is not None:
+            sock_server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sock_task, 10)
+        if sock_dir is not None:
+            shutil.rmtree(sock_dir, ignore_errors=True)
         for slot in service.router.engines():
             with contextlib.suppress(Exception):
                 await slot.client.close()

@@ -152,8 +152,8 @@ def harness_env(spec: ExecutionSpec, home: Path) -> dict[str, str]:
 def launch_command(spec: ExecutionSpec) -> list[str] | None:
     """The argument list that runs ``spec.harness``, or ``None`` if it is not a built-in one."""
     x = spec.extra
-    if spec.harness == "number-guess":
-        return [sys.executable, "-m", "gyre_core.tasks.number_guess_harness", "--secret", str(x["secret"]),
+    if spec.harness == "number-guess":  # the secret travels in the environment, never on argv
+        return [sys.executable, "-m", "gyre_core.tasks.number_guess_harness",
                 "--low", str(x.get("low", 0)), "--high", str(x.get("high", 99)), "--turns", str(x.get("turns", 3))]
     if spec.harness == "reply":
         return [sys.executable, "-m", "gyre_core.tasks.reply_harness", spec.task]
@@ -178,6 +178,8 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
     home.mkdir(parents=True, exist_ok=True)
     workdir.mkdir(parents=True, exist_ok=True)
     env = harness_env(spec, home)
+    if spec.harness == "number-guess":
+        env["GYRE_NUMBER_GUESS_SECRET"] = str(spec.extra["secret"])
     if spec.harness == "claude-code":
         (home / ".claude").mkdir(exist_ok=True)
         # Offline settings; side requests (titles) use the same model, since the proxy serves
@@ -185,6 +187,12 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
         env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_MODEL": env["GYRE_MODEL"],
                     "ANTHROPIC_SMALL_FAST_MODEL": env["GYRE_MODEL"], "DISABLE_TELEMETRY": "1",
                     "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
+    if spec.extra.get("sandbox"):
+        from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
+
+        argv = wrap(argv, SandboxSpec.from_extra(spec.extra["sandbox"]), str(workdir.resolve()), str(home.resolve()))
+        (home / "tmp").mkdir(exist_ok=True)
+        env["TMPDIR"] = str((home / "tmp").resolve())  # the host's /tmp is read-only in the sandbox
     handle = SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"))
     handle.harness = spec.harness
     return handle

@@ -130,6 +130,7 @@ class LiveOrchestrator:
         event_log: IO[str] | None = None,
         journal: Journal | None = None,
         replay: Replay | None = None,
+        sandbox: Mapping[str, Any] | None = None,
     ) -> None:
         if len(cells) != cfg.scheduler.cells:
             raise ValueError(f"{len(cells)} cells given, scheduler.cells = {cfg.scheduler.cells}")
@@ -137,6 +138,8 @@ class LiveOrchestrator:
         self.cells = list(cells)
         self.proxy = proxy
         self.proxy_url = proxy_url
+        self.sandbox = dict(sandbox) if sandbox else None
+        """Each harness's sandbox (:class:`gyre_core.orchestrator.sandbox.SandboxSpec` as a dict), or None."""
         self.pm = pm
         self.out_dir = Path(out_dir)
         self.weights = weights
@@ -531,6 +534,8 @@ class LiveOrchestrator:
         if self.cfg.harness.kind == "claude-code":
             extra["claude_bin"] = self.cfg.harness.claude_bin
             extra["claude_args"] = list(self.cfg.harness.args)
+        if self.sandbox is not None:
+            extra["sandbox"] = self.sandbox
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(workdir), proxy_base_url=self.proxy_url, api_key=key,
             harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,

@@ -58,6 +58,10 @@ def _core_problems(cfg: RunConfig, pm: Any) -> list[str]:
                         "(install it: npm install -g @anthropic-ai/claude-code, or set harness.claude_bin)")
     if h.kind == "command" and h.command and not _executable(h.command[0]):
         problems.append(f"harness.command: {h.command[0]!r} is not an executable on PATH")
+    from gyre_core.orchestrator.sandbox import sandbox_problem
+
+    if (why := sandbox_problem(h.sandbox)) is not None:
+        problems.append(why)
     seams = {s for info in pm.hook.gyre_plugin_info() for s in info.get("seams", [])}
     if "training" not in seams:
         problems.append("training backend: no plugin provides it (pip install gyre-megatron)")

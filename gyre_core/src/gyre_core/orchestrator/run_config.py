@@ -70,6 +70,9 @@ class HarnessSection:
     """Harness timeout: past it the harness is killed and its workspace assessed and used."""
     overall_budget_s: float = 420.0
     """Overall budget of an execution incl. evaluation retries: past it it is discarded."""
+    sandbox: str = "bwrap"
+    """``bwrap``: each harness in its own bubblewrap sandbox (own /proc, run folder hidden, network
+    only to the proxy); ``none``: unsandboxed, explicitly."""
     claude_bin: str = "claude"
     """The Claude Code executable (``harness.kind = "claude-code"``)."""
     args: list[str] = field(default_factory=list)
@@ -189,6 +192,7 @@ class RunConfig:
              "--resume needs the output folder of the run to continue (--out)")
         need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
+        need(self.harness.sandbox in ("bwrap", "none"), "harness.sandbox", "must be \"bwrap\" or \"none\"")
         need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",
              "must be > 0 and ≤ harness.overall_budget_s")
         need(self.task.name == "number-guess" or self.harness.kind != "number-guess", "task.name",

@@ -81,11 +81,14 @@ def play(client: Any, model: str, secret: int, low: int, high: int, turns: int) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--secret", type=int, required=True)
+    ap.add_argument("--secret", type=int, default=None,
+                    help="default: $GYRE_NUMBER_GUESS_SECRET (how Gyre passes it: never on argv)")
     ap.add_argument("--low", type=int, default=0)
     ap.add_argument("--high", type=int, default=99)
     ap.add_argument("--turns", type=int, default=3)
     a = ap.parse_args(argv)
+    if a.secret is None:
+        a.secret = int(os.environ["GYRE_NUMBER_GUESS_SECRET"])
     from openai import OpenAI
 
     client = OpenAI(max_retries=2, timeout=float(os.environ.get("GYRE_CALL_TIMEOUT_S", "600")))

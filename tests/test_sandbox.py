@@ -1,0 +1,46 @@
+"""The sandbox's shape (what is hidden, what is bound back) and a sandbox that cannot start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre_core.orchestrator.sandbox import SandboxSpec, sandbox_problem, wrap
+
+
+def test_wrap_hides_the_run_and_binds_back_only_the_execution(tmp_path: Path) -> None:
+    out, key = tmp_path / "run", tmp_path / "control.key"
+    out.mkdir()
+    key.write_text("k" * 64)
+    spec = SandboxSpec((str(out), str(key)), "/tmp/gyre-proxy-x/proxy.sock", "127.0.0.1", 8100)
+    argv = wrap(["harness", "--flag"], spec, str(out / "executions" / "e00001"), str(out / "executions" / "e00001.home"))
+    joined = " ".join(argv)
+    assert argv[0] == "bwrap" and "--unshare-pid" in argv and "--unshare-net" in argv and "--die-with-parent" in argv
+    assert f"--tmpfs {out}" in joined and f"--ro-bind /dev/null {key}" in joined
+    assert joined.index(f"--tmpfs {out}") < joined.index(f"--bind {out}/executions/e00001 ")  # hide, then bind back
+    assert argv[-2:] == ["harness", "--flag"] and "gyre_core.orchestrator.sandbox_relay" in argv
+    assert SandboxSpec.from_extra(spec.as_extra()) == spec
+
+
+def test_a_missing_bubblewrap_is_named_with_its_fix_and_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    why = sandbox_problem("bwrap")
+    assert why is not None and "apt-get install -y bubblewrap" in why and 'harness.sandbox = "none"' in why
+    assert sandbox_problem("none") is None
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_the_relay_ends_as_its_harness_ends(tmp_path: Path) -> None:
+    """A harness killed by a signal must look killed to the orchestrator (bwrap: 128 + signal)."""
+    base = ["bwrap", "--die-with-parent", "--unshare-pid", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--", sys.executable, "-m", "gyre_core.orchestrator.sandbox_relay", str(tmp_path / "none.sock"),
+            "127.0.0.1", "0", "--", sys.executable, "-c"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run(base + ["import os; os.kill(os.getpid(), 9)"], env=env, timeout=60)
+    failed = subprocess.run(base + ["raise SystemExit(3)"], env=env, timeout=60)
+    assert (killed.returncode, failed.returncode) == (128 + 9, 3)
