@@ -232,13 +232,14 @@ def test_every_hookspec_is_documented_and_marked() -> None:
         "gyre_evaluate",
         "gyre_classify_role",
         "gyre_on_event",
+        "gyre_preflight",
     }
     marker = f"{hookspecs.PROJECT_NAME}_spec"
     for name, fn in specs.items():
         assert (fn.__doc__ or "").strip(), f"{name} has no docstring"
         assert hasattr(fn, marker), f"{name} is not a hookspec"
         firstresult = getattr(fn, marker)["firstresult"]
-        assert firstresult == (name not in {"gyre_plugin_info", "gyre_on_event"}), name
+        assert firstresult == (name not in {"gyre_plugin_info", "gyre_on_event", "gyre_preflight"}), name
         assert ("firstresult" if firstresult else "Broadcast") in fn.__doc__, name
 
 

@@ -97,3 +97,21 @@ def test_kill_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path: Path) 
     ends = [r["event"]["execution_id"] for r in after if r["kind"] == "event" and r["event"]["type"] == "ExecutionEnded"]
     assert len(ends) == len(set(ends))
     assert (out / "checkpoint" / "model.safetensors").exists()
+
+
+def test_a_run_killed_again_and_again_resumes_to_its_end(tmp_path: Path) -> None:
+    """Three SIGKILLs at random points (after an execution's end, a step, a publication or a role
+    switch; torn journal tails among them), each resumed: the same accounting holds at the end.
+    ``benchmarks/crash_resume.py`` runs the same with 20 kills."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "crash_resume", Path(__file__).resolve().parents[2] / "benchmarks" / "crash_resume.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.crash_chain(tmp_path / "run", kills=3, steps=4, seed=1)
+    print(f"\ncrash chain: {json.dumps(res['points'])}; executions {res['executions']}; {res['wall_s']} s")
+    assert res["kills"] >= 2 and any(p["torn_tail"] for p in res["points"])
+    assert res["steps"] == 4 and res["groups_trained"] == 4 * 2 and res["groups_trained_twice"] == 0
+    assert res["ended_twice"] == 0 and res["accounted"] == res["finished"] > 0

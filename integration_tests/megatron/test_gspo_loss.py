@@ -31,6 +31,7 @@ OFFSETS = [0.001, -0.002, 0.02, -0.03, 0.04, -0.05, 0.0005, 0.003]
 ADVANTAGES = [1.0, -0.5, 1.5, -1.2, -0.8, 0.7, -1.0, 0.0]
 SPIKE = {6: 2.5}
 EXPECTED_CLIPPED = 2
+JOIN_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
@@ -113,7 +114,7 @@ def world_k2(tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
-    with World(RankOptions(cells=2, pp=1, normalise_by_tokens=False), n_queues=2) as w:
+    with World(RankOptions(cells=2, pp=1, normalise_by_tokens=False), n_queues=1 + JOIN_ATTEMPTS) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo-k2"))}, version=0)
         yield w, load_hf_qwen2(ref.location).double()
 
@@ -137,17 +138,21 @@ def test_a_satellite_that_joins_trains_the_same_objective(world_k2) -> None:
     alone = w.wait(tk, 120)
     params_a = w.call(core, "params_numpy")
     w.call(core + sat, "restore_state")
-    q = w.queues[1]
-    tk_core = w.submit(core, "run_step", 1, 1)
-    q.put(micro[0])
-    deadline = time.monotonic() + 30
-    while q.unclaimed() > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    tk_sat = w.submit(sat, "run_step", 1, 1)
-    time.sleep(1.0)  # let the satellite register and pull before the rest arrives
-    feed_in_bursts(q, micro[1:], burst=1, gap_s=0.3).join()
-    b_core, b_sat = w.wait(tk_core, 120), w.wait(tk_sat, 120)
-    assert b_sat[0]["joined"] and b_sat[0]["m"] == 2 and b_sat[0]["micro_steps"] >= 1
+    for attempt in range(1, JOIN_ATTEMPTS + 1):  # a loaded machine may let the core take every micro-step
+        q = w.queues[attempt]
+        tk_core = w.submit(core, "run_step", attempt, attempt)
+        q.put(micro[0])
+        deadline = time.monotonic() + 30
+        while q.unclaimed() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tk_sat = w.submit(sat, "run_step", attempt, attempt)
+        time.sleep(1.0)  # let the satellite register and pull before the rest arrives
+        feed_in_bursts(q, micro[1:], burst=1, gap_s=0.5).join()
+        b_core, b_sat = w.wait(tk_core, 120), w.wait(tk_sat, 120)
+        if b_sat[0].get("micro_steps", 0) >= 1:
+            break
+        w.call(core + sat, "restore_state")
+    assert b_sat[0]["joined"] and b_sat[0]["m"] == 2 and b_sat[0]["micro_steps"] >= 1, b_sat
     assert alone[0]["objective"]["loss"] == pytest.approx(ref_loss, rel=1e-6)
     joined = b_core[0]["objective"]["loss"] + b_sat[0]["objective"]["loss"]
     print(f"\nGSPO join: core {b_core[0]['micro_steps']} / satellite {b_sat[0]['micro_steps']} micro-steps; "

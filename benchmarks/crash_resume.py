@@ -1,0 +1,119 @@
+"""Kill the orchestrator again and again at random points of a real run, resume each time.
+
+``gyre-orchestrate run`` (the embedded job) is SIGKILLed ``--kills`` times, each time right after
+the journal has recorded a randomly chosen kind of progress (an execution's end, a step's end, a
+publication, a role switch), and after half of the kills a torn half-record is appended to the
+journal, as a crash mid-write would leave it. Each time it is resumed with ``--resume``; the last
+resume runs to the end. Then: the final step count is reached, every execution that the journal
+saw finish is still accounted for, none ended twice, no rollout group trained in two steps.
+Prints one JSON object (also used by ``integration_tests/e2e/test_resume.py`` with few kills).
+
+    python benchmarks/crash_resume.py [--kills 20] [--steps 10] [--seed 0] [--out runs/crash]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+KINDS = ("ExecutionEnded", "MicroStepsDone", "published", "TransitionDone")
+
+
+def journal(out: Path) -> list[dict[str, Any]]:
+    p = out / "journal.jsonl"
+    recs = []
+    if p.exists():
+        for line in p.read_text(errors="replace").splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return recs
+
+
+def count(recs: list[dict[str, Any]], kind: str) -> int:
+    if kind == "published":
+        return sum(1 for r in recs if r["kind"] == "published")
+    return sum(1 for r in recs if r["kind"] == "event" and r["event"]["type"] == kind)
+
+
+def steps_done(recs: list[dict[str, Any]]) -> int:
+    return count(recs, "MicroStepsDone")
+
+
+def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float = 900.0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    cmd = [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--steps", str(steps)]
+    points: list[dict[str, Any]] = []
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    for k in range(kills):
+        recs = journal(out)
+        if steps_done(recs) >= steps - 1:
+            break  # too close to the end to crash meaningfully again
+        kind = rng.choice(KINDS)
+        target = count(recs, kind) + rng.randint(1, 3 if kind == "ExecutionEnded" else 1)
+        args = cmd + (["--resume"] if k else [])
+        with open(out.parent / f"{out.name}-segment{k}.log", "w") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + timeout_s
+            try:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if count(journal(out), kind) >= target:
+                        break
+                    time.sleep(0.2)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"segment {k} ended by itself (rc {proc.returncode}) before {kind} #{target}")
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        torn = k % 2 == 1
+        if torn:  # a crash mid-write leaves half a record without its newline
+            with open(out / "journal.jsonl", "ab") as f:
+                f.write(b'{"kind":"published","version":99,"loc')
+        points.append({"after": kind, "count": target, "torn_tail": torn, "steps_done": steps_done(journal(out))})
+        time.sleep(2.0)  # the killed run's children die with it (PR_SET_PDEATHSIG)
+    final = subprocess.run(cmd + (["--resume"] if points else []) + ["--json-summary"], capture_output=True,
+                           text=True, timeout=timeout_s)
+    if final.returncode != 0:
+        raise RuntimeError(f"final resume failed: {final.stderr[-3000:]}")
+    summary = json.loads(final.stdout.strip().splitlines()[-1])
+    recs = journal(out)
+    ends = [r["event"]["execution_id"] for r in recs if r["kind"] == "event" and r["event"]["type"] == "ExecutionEnded"]
+    groups = [g for rec in summary["step_records"] for g in rec["groups"]]
+    ex = summary["executions"]
+    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    return {"benchmark": "crash_resume", "kills": len(points), "points": points, "steps": summary["steps"],
+            "target_steps": steps, "ended": len(ends), "ended_twice": len(ends) - len(set(ends)),
+            "groups_trained": len(groups), "groups_trained_twice": len(groups) - len(set(groups)),
+            "finished": ex["finished"], "accounted": accounted, "executions": ex,
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=f"runs/crash-{time.strftime('%Y%m%d-%H%M%S')}")
+    a = ap.parse_args()
+    res = crash_chain(Path(a.out), a.kills, a.steps, a.seed)
+    res["ok"] = (res["steps"] == res["target_steps"] and res["ended_twice"] == 0 and res["groups_trained_twice"] == 0
+                 and res["accounted"] == res["finished"])
+    print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
