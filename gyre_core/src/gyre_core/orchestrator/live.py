@@ -282,6 +282,7 @@ class LiveOrchestrator:
         done_steps: set[int] = set()
         publish_pending: int | None = None
         evaluated: set[int] = set()
+        verdict_fed: set[int] = set()  # executions whose EvaluationValid / final Unresolved was fed
 
         def effects(cmd: ev.Command, t: float) -> None:
             nonlocal publish_pending
@@ -334,6 +335,8 @@ class LiveOrchestrator:
                             self.ledger.terminated(eid, event.outcome, self._final_state(eid))
                         elif event.outcome is not Outcome.FAILED:
                             self.ledger.terminated(eid, event.outcome, None)
+                elif isinstance(event, ev.EvaluationValid) or (isinstance(event, ev.EvaluationUnresolved) and event.final):
+                    verdict_fed.add(event.execution_id)
                 elif isinstance(event, ev.TransitionDone):
                     role[event.cell] = event.role.value
                     pending_role.pop(event.cell, None)
@@ -403,14 +406,43 @@ class LiveOrchestrator:
             self._spawn(self._publish(publish_pending), f"publication of version {publish_pending} (resumed)")
         for eid, cmd in launched.items():
             if eid not in ended and eid not in cancels:
+                if self._execs[eid].trajectory is not None or eid in evaluated:
+                    self._feed_unjournalled_end(eid)  # it had ended: never run it again
+                    continue
                 self._spawn(self._launch(cmd, relaunch=True), f"relaunch of execution {eid}")
         for eid in cancels:
             self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
         for eid in ended:
             ex = self._execs[eid]
+            if eid in evaluated and eid not in verdict_fed:  # its verdict was journalled, not yet fed
+                valid = self.ledger.state(eid) is EvalState.VALID
+                self._emit(ev.EvaluationValid(eid) if valid else ev.EvaluationUnresolved(eid, final=True))
             if eid not in evaluated and ex.outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
                 ex.spec = self._spec_for(eid)
                 self._spawn(self._evaluate(eid), f"evaluation of execution {eid} (resumed)")
+
+    def _feed_unjournalled_end(self, eid: int) -> None:
+        """An execution whose records (and maybe its verdict) reached the journal before the crash
+        but whose ``ExecutionEnded`` had not been fed yet (its evaluation runs as soon as it ends,
+        while the end event waits in the queue): feed the end now, then what its verdict was."""
+        ex = self._execs[eid]
+        ex.outcome = Outcome.COMPLETED
+        state = self.ledger.state(eid)
+        if state is EvalState.RUNNING:
+            self.ledger.terminated(eid, Outcome.COMPLETED, self._final_state(eid))
+        self._emit(ev.ExecutionEnded(eid, Outcome.COMPLETED))
+        if ex.fate == "excluded":
+            if self.ledger.state(eid) is EvalState.AWAITING:
+                self.ledger.exclude(eid)
+            self._emit(ev.EvaluationUnresolved(eid, final=True))
+        elif self.ledger.state(eid) is EvalState.VALID:
+            if ex.fate == "running":
+                ex.fate = "ended"
+            self._emit(ev.EvaluationValid(eid))
+        else:  # records only: evaluate it now, as any ended execution
+            ex.fate = "ended"
+            ex.spec = self._spec_for(eid)
+            self._spawn(self._evaluate(eid), f"evaluation of execution {eid} (resumed)")
 
     def _final_state(self, eid: int) -> StateRef:
         return StateRef(artifact_version="final", branch=str(self.out_dir / "executions" / f"e{eid:05d}"))
