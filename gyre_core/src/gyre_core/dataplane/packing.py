@@ -199,12 +199,11 @@ def _units(rows: list[TrainingRow], budget: int, whole: bool = True) -> tuple[li
     """One unit per execution, so its ratio ``s_e`` is complete in one pack; an execution whose
     rows together exceed the budget (or every execution, with ``whole=False``) is split into one
     unit per row. Also: how many executions with several rows were split."""
-    if not whole:
-        multi = {r.exec_slot for r in rows if sum(1 for x in rows if x.exec_slot == r.exec_slot) > 1}
-        return [(r,) for r in rows], len(multi)
     by_exec: dict[int, list[TrainingRow]] = {}
     for r in rows:
         by_exec.setdefault(r.exec_slot, []).append(r)
+    if not whole:
+        return [(r,) for r in rows], sum(1 for members in by_exec.values() if len(members) > 1)
     out: list[_Unit] = []
     split = 0
     for members in by_exec.values():
