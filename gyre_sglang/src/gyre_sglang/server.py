@@ -29,6 +29,10 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy within the start timeout."""
 
 
+class _PortTaken(Exception):
+    """The server exited because its HTTP port was taken between picking and binding."""
+
+
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""
     with socket.socket() as s:
@@ -119,10 +123,29 @@ class SGLangServer:
         env.update(self.env)
         return env
 
-    def start(self, timeout: float = 240.0) -> "SGLangServer":
-        """Launch and wait until ``/health_generate`` answers; ``ServerStartError`` otherwise."""
-        if self.port == 0:
-            self.port = free_port()
+    def start(self, timeout: float = 240.0, *, port_attempts: int = 4) -> "SGLangServer":
+        """Launch and wait until ``/health_generate`` answers; ``ServerStartError`` otherwise.
+
+        A port Gyre picked itself (``port = 0``) is only known free at the moment it was picked;
+        SGLang binds it some 20 s later, after loading the tokenizer, and on a busy machine another
+        process may take it first. Such a start is retried on a fresh port (``port_attempts`` in
+        all); a port the caller chose is never changed.
+        """
+        auto_port = self.port == 0
+        for attempt in range(1, port_attempts + 1):
+            if auto_port:
+                self.port = free_port()
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if not auto_port or attempt == port_attempts:
+                    raise ServerStartError(
+                        f"SGLang server could not bind port {self.port} (address already in use); "
+                        f"log: {self.log_path}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_once(self, timeout: float) -> "SGLangServer":
+        log_start = Path(self.log_path).stat().st_size if self.log_path and Path(self.log_path).exists() else 0
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
@@ -135,12 +158,27 @@ class SGLangServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"SGLang server exited with code {self.proc.returncode}; log: {self.log_path}")
+                code = self.proc.returncode
+                self.stop()  # children of the group (scheduler, detokenizer) may outlive the leader
+                if self._log_says_port_taken(log_start):
+                    raise _PortTaken()
+                raise ServerStartError(f"SGLang server exited with code {code}; log: {self.log_path}")
             if self.healthy():
                 return self
             time.sleep(1.0)
         self.stop()
         raise ServerStartError(f"SGLang server not healthy after {timeout:.0f} s; log: {self.log_path}")
+
+    def _log_says_port_taken(self, offset: int) -> bool:
+        if not self.log_path:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return False
+        return f"{self.port}" in text and ("address already in use" in text.lower() or "Errno 98" in text)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
