@@ -21,11 +21,12 @@ from gyre_core.dataplane import (
     StreamPackingBuffer,
     TrajectoryBuffer,
     group_advantages,
+    materialise_group,
 )
 from gyre_core.interfaces import Assessment, RoleClass, StateRef
 from gyre_core.scheduler import Scheduler
 from gyre_core.scheduler import events as ev
-from gyre_core.scheduler.events import DispatchGroup, GroupDropped, Outcome
+from gyre_core.scheduler.events import DispatchGroup, GroupDropped, GroupFiltered, Outcome
 from gyre_core.trajectory import Provenance, SelectedTrajectory, TrajectoryTree, TreeNode
 
 
@@ -52,8 +53,8 @@ def scored(eid: int, gid: int, reward: float = 0.5, branches=((2, 3),), root=(4,
     return ScoredExecution(eid, gid, reward, tree, tuple(sel))
 
 
-def opened(n: int = 2, executions: int | None = None, rule=ShortGroupRule.TOP_UP, groups=((0, 0),)):
-    buf = TrajectoryBuffer(n, rule)
+def opened(n: int = 2, executions: int | None = None, groups=((0, 0),)):
+    buf = TrajectoryBuffer(n)
     m = executions or n
     for gid, version in groups:
         buf.dispatch(DispatchGroup(gid, tuple(range(gid * 100, gid * 100 + m)), version))
@@ -85,7 +86,7 @@ def test_oversampling_surplus_is_recorded_once_and_its_late_rewards_are_ignored(
     buf.put(scored(2, 0, 0.0))
     assert buf.ready() == [0] and buf.surplus == {0}
     assert buf.put(scored(0, 0, 1.0)) is False  # finished after the group filled
-    assert buf.exclude(0) is None
+    buf.exclude(0)  # surplus: nothing changes
     assert buf.surplus == {0}
     assert [s.execution_id for s in buf.take(0).executions] == [1, 2]
 
@@ -111,7 +112,7 @@ def test_ready_groups_come_oldest_policy_version_first(groups: list, rnd: random
 def test_short_group_top_up_waits_for_the_missing_executions_and_keeps_its_version() -> None:
     buf = opened(n=2, groups=((0, 4),))
     buf.put(scored(0, 0))
-    assert buf.exclude(1) is None  # short, but under top_up it waits
+    buf.exclude(1)  # short, but under top_up it waits for the scheduler's top-up
     buf.dispatch(DispatchGroup(0, (7,), 4, refill_of=0))
     buf.put(scored(7, 0))
     g = buf.take(0)
@@ -120,42 +121,80 @@ def test_short_group_top_up_waits_for_the_missing_executions_and_keeps_its_versi
         opened(n=2, groups=((1, 4),)).dispatch(DispatchGroup(1, (9,), 5, refill_of=1))
 
 
-def test_short_group_drop_discards_the_group_and_says_so() -> None:
-    buf = opened(n=3, executions=4, rule=ShortGroupRule.DROP)
+def test_short_group_drop_discards_the_group_on_the_schedulers_word() -> None:
+    buf = opened(n=3, executions=4)
     buf.put(scored(0, 0))
-    assert buf.exclude(1) is None  # 3 still possible
-    assert buf.exclude(2) == GroupDropped(0)
+    buf.exclude(1)
+    buf.exclude(2)
+    assert buf.ready() == [] and buf.dropped == set()  # the buffer does not decide
+    buf.drop(GroupDropped(0))
     assert buf.dropped == {0} and buf.ready() == []
     assert buf.put(scored(3, 0)) is False  # late news about a dropped group is ignored
     with pytest.raises(GroupNotReady):
         buf.peek(0)
 
 
+def test_filtered_group_is_ready_with_its_valid_rewards_and_advantages_over_them() -> None:
+    buf = opened(n=4)
+    buf.put(scored(0, 0, 1.0))
+    buf.exclude(1)
+    buf.put(scored(2, 0, 0.0))
+    # execution 3 was an overall timeout: the scheduler heard of it, the buffer did not
+    with pytest.raises(ValueError, match="scheduler counted 3 valid rewards, the buffer holds 2"):
+        buf.filter(GroupFiltered(0, 3, False))
+    buf.filter(GroupFiltered(0, 2, False))
+    g = buf.take(0)
+    assert [s.execution_id for s in g.executions] == [0, 2]
+    assert g.advantages == pytest.approx(group_advantages([1.0, 0.0]))
+
+
+def test_empty_group_is_consumed_with_nothing_to_train() -> None:
+    buf = opened(n=3)
+    buf.put(scored(0, 0, 1.0))
+    buf.exclude(1)
+    buf.exclude(2)
+    buf.filter(GroupFiltered(0, 1, True))
+    assert buf.ready() == [0] and buf.emptied == {0}
+    g = buf.take(0)
+    assert g.executions == () and g.advantages == ()
+    assert materialise_group(g, 0, 3) == []
+
+
 @pytest.mark.parametrize("rule", list(ShortGroupRule))
-def test_buffer_and_scheduler_agree_on_short_groups(rule: ShortGroupRule) -> None:
-    """The ledger's events tell the scheduler; both apply the same configured rule."""
+def test_buffer_follows_the_schedulers_short_group_decision(rule: ShortGroupRule) -> None:
+    """One decision: the scheduler applies the configured rule, the buffer carries it out."""
     cfg = SchedulerConfig(cells=2, cell_capacity=8, group_size=2, groups_per_step=1,
                           steps_per_burst=1, extra_dispatch=0.0, short_group=rule)
     sched = Scheduler(cfg)
-    buf = TrajectoryBuffer(cfg.group_size, cfg.short_group)
-    out = sched.handle(ev.Start(), 0.0)
-    for cmd in out:
-        if isinstance(cmd, DispatchGroup):
-            buf.dispatch(cmd)
+    buf = TrajectoryBuffer(cfg.group_size)
+
+    def carry_out(out: list) -> list:
+        for cmd in out:
+            if isinstance(cmd, DispatchGroup):
+                buf.dispatch(cmd)
+            elif isinstance(cmd, GroupDropped):
+                buf.drop(cmd)
+            elif isinstance(cmd, GroupFiltered):
+                buf.filter(cmd)
+        return out
+
+    carry_out(sched.handle(ev.Start(), 0.0))
     sched.handle(ev.ExecutionEnded(0, Outcome.COMPLETED), 1.0)
-    sched.handle(ev.EvaluationValid(0), 1.0)
     buf.put(scored(0, 0))
+    sched.handle(ev.EvaluationValid(0), 1.0)
     sched.handle(ev.ExecutionEnded(1, Outcome.COMPLETED), 2.0)
-    out = sched.handle(ev.EvaluationUnresolved(1, final=True), 3.0)
-    mine = buf.exclude(1)
-    theirs = [c for c in out if isinstance(c, GroupDropped)]
+    buf.exclude(1)
+    out = carry_out(sched.handle(ev.EvaluationUnresolved(1, final=True), 3.0))
     if rule is ShortGroupRule.DROP:
-        assert theirs == [mine] == [GroupDropped(0)]
+        assert [c for c in out if isinstance(c, GroupDropped)] == [GroupDropped(0)]
+        assert buf.dropped == {0}
+    elif rule is ShortGroupRule.FILTER:
+        assert [c for c in out if isinstance(c, GroupFiltered)] == [GroupFiltered(0, 1, True)]
+        assert buf.take(0).executions == ()  # consumed once, trains nothing
+        assert not [c for c in out if isinstance(c, DispatchGroup)], "d does not rise inside a burst"
     else:
-        assert theirs == [] and mine is None
         refill = [c for c in out if isinstance(c, DispatchGroup) and c.refill_of == 0]
         assert refill, "the scheduler tops the group up (it would otherwise starve the burst)"
-        buf.dispatch(refill[0])
         buf.put(scored(refill[0].execution_ids[0], 0))
         assert buf.ready() == [0]
 
@@ -330,7 +369,7 @@ def test_scheduler_ledger_and_buffers_run_streaming_steps_together() -> None:
                           supply_window_s=0.0)
     rng = random.Random(7)
     sched, ledger = Scheduler(cfg), AssessmentLedger()
-    buf = TrajectoryBuffer(cfg.group_size, cfg.short_group)
+    buf = TrajectoryBuffer(cfg.group_size)
     group_of: dict[int, int] = {}
     pending: list = [ev.Start()]
     state = StateRef("final", "main")
@@ -367,6 +406,8 @@ def test_scheduler_ledger_and_buffers_run_streaming_steps_together() -> None:
             if isinstance(cmd, DispatchGroup):
                 buf.dispatch(cmd)
                 group_of.update({e: cmd.group_id for e in cmd.execution_ids})
+            elif isinstance(cmd, GroupFiltered):
+                buf.filter(cmd)
             elif isinstance(cmd, ev.Launch):
                 ledger.register(cmd.execution_id, deadline=now + 30.0)
                 outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.COMPLETED

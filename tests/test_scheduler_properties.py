@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from gyre_core.config import Mode, SchedulerConfig, ShortGroupRule
 from gyre_core.scheduler import Scheduler
+from gyre_core.scheduler.state_machine import NoProgress
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome, Role
 
@@ -39,6 +40,7 @@ def configs(draw) -> SchedulerConfig:
         async_training_cells=draw(st.integers(1, cells - 1)) if mode is Mode.ASYNC else 1,
         streaming=draw(st.sampled_from([None, True, False])),
         short_group=draw(st.sampled_from(list(ShortGroupRule))),
+        min_valid_rewards=draw(st.sampled_from([None, 1, n])),
     )
 
 
@@ -64,16 +66,28 @@ class World:
         self.end_count = 0
         self.ended: set[int] = set()
         self.steps_done = 0
+        self.filtered: dict[int, ev.GroupFiltered] = {}
+        self.stalled: NoProgress | None = None
 
     def send(self, event: ev.Event) -> None:
         d_before, starv_before = self.s.d, self.s.starvation_dispatches
         w_before = self.s.d - self.s.f
-        out = self.s.handle(event, self.now)
+        if self.stalled is not None:
+            return
+        try:
+            out = self.s.handle(event, self.now)
+        except NoProgress as e:  # a legitimate stop: that many futile groups in a row
+            assert self.s._futile >= self.s.futile_limit, e
+            self.stalled = e
+            return
         for cmd in out:
             self.apply(cmd)
         self.s.check_invariants()
         snap = self.s.snapshot()
-        # d (hence w = d - f) rises only at start, at a publication, or to rescue a starving burst
+        # d (hence w = d - f) rises only at start, at a publication, or to rescue a starving burst;
+        # under the filter rule never inside a burst (Eq. 1)
+        if self.cfg.short_group is ShortGroupRule.FILTER:
+            assert self.s.starvation_dispatches == 0
         if self.s.d != d_before:
             assert isinstance(event, (ev.Start, ev.PublicationDone)) or (
                 self.s.starvation_dispatches > starv_before
@@ -111,11 +125,21 @@ class World:
             assert self.step is None
             assert cmd.cells and 0 in cmd.cells or self.cfg.mode is Mode.COLOCATE
             self.step, self.closed = cmd.step, False
+        elif isinstance(cmd, ev.GroupFiltered):
+            assert self.cfg.short_group is ShortGroupRule.FILTER
+            assert cmd.group_id not in self.filtered, "group filtered twice"
+            members = [e for e, g in self.group_of.items() if g == cmd.group_id]
+            assert not any(e in self.running or e in self.awaiting or e in self.to_cancel for e in members), \
+                "filtered while an execution of the group is still pending"
+            assert cmd.valid == self.valid_sent[cmd.group_id] < self.cfg.group_size
+            assert cmd.empty == (cmd.valid < self.cfg.min_valid)
+            self.filtered[cmd.group_id] = cmd
         elif isinstance(cmd, ev.AssignGroup):
             assert cmd.step == self.step and not self.closed
             assert cmd.group_id not in self.assigned, "group consumed twice"
             self.assigned.add(cmd.group_id)
-            assert self.valid_sent[cmd.group_id] >= self.cfg.group_size, "group assigned before ready"
+            assert self.valid_sent[cmd.group_id] >= self.cfg.group_size or cmd.group_id in self.filtered, \
+                "group assigned before ready"
             assert cmd.staleness == cmd.step - self.version_of[cmd.group_id]
         elif isinstance(cmd, ev.CloseStream):
             self.closed = True
@@ -205,7 +229,7 @@ def drive_fairly(w: World, max_events: int = 5000) -> None:
     """Everything completes validly, in order: the scheduler must keep making steps."""
     target = w.steps_done + 2
     for _ in range(max_events):
-        if w.steps_done >= target:
+        if w.steps_done >= target or w.stalled is not None:
             return
         w.now += 1.0
         progressed = (

@@ -34,17 +34,23 @@ class Mode(str, enum.Enum):
 class ShortGroupRule(str, enum.Enum):
     """What happens to a group that can no longer reach N valid rewards.
 
-    The default is ``drop``: a query whose executions keep exhausting their budget would otherwise
-    hold every burst that needs its group for hours (on the paper-122b preset, Colocate took 2x
-    longer under ``top_up``). ``top_up`` keeps hard queries in the data at that price; oversampling
-    (N' > N) avoids most short groups under either rule.
+    ``filter`` (the default, and the paper's rule): a discarded execution is filtered out of its
+    group. The group keeps its identity, slot and admission version, counts once, and is ready when
+    its last execution has terminated; its advantages are formed over the valid rewards it holds.
+    With fewer than ``min_valid_rewards`` valid rewards (no advantage signal) it is consumed as an
+    *empty* group: it still takes its place in a step and counts once, but trains nothing. d(t)
+    therefore changes only at publication, and the staleness law E[d] = φ + (μ − 1)/2 holds.
 
+    Two departures from the paper stay available by name:
+
+    ``drop``: the group is dropped and a fresh group replaces it (at once if the burst would
+    otherwise starve, else at the next publication). Dropped groups are the slow ones, so measured
+    staleness falls below the law, and Colocate waits for every mid-burst replacement.
     ``top_up``: the group keeps its slot and admission version; the missing executions of the same
     query are dispatched at the next publication (or at once if the burst would otherwise starve).
-    ``drop``: the group is dropped and its slot is refilled with a fresh group at the next
-    publication (or at once if the burst would otherwise starve).
     """
 
+    FILTER = "filter"
     TOP_UP = "top_up"
     DROP = "drop"
 
@@ -71,7 +77,8 @@ class SchedulerConfig:
     oversample: int | None = None  # N'
     async_training_cells: int = 1
     streaming: bool | None = None
-    short_group: ShortGroupRule = ShortGroupRule.DROP
+    short_group: ShortGroupRule = ShortGroupRule.FILTER
+    min_valid_rewards: int | None = None  # None: min(2, N)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -79,11 +86,11 @@ class SchedulerConfig:
             object.__setattr__(self, "short_group", ShortGroupRule(self.short_group))
         except ValueError:
             raise ConfigError(
-                f"short_group: unknown rule {self.short_group!r} (expected top_up or drop)"
+                f"short_group: unknown rule {self.short_group!r} (expected filter, top_up or drop)"
             ) from None
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("mode", "short_group", "streaming", "oversample"):
+            if f.name in ("mode", "short_group", "streaming", "oversample", "min_valid_rewards"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{f.name}: expected a number, got {value!r}")
@@ -111,6 +118,12 @@ class SchedulerConfig:
                 and self.oversample >= self.group_size,
                 "oversample", "N' must be an integer ≥ N (group_size)", self.oversample,
             )
+        if self.min_valid_rewards is not None:
+            _require(
+                isinstance(self.min_valid_rewards, int) and not isinstance(self.min_valid_rewards, bool)
+                and 1 <= self.min_valid_rewards <= self.group_size,
+                "min_valid_rewards", f"must be an integer in 1..N = {self.group_size}", self.min_valid_rewards,
+            )
         if self.streaming is not None and not isinstance(self.streaming, bool):
             raise ConfigError(f"streaming: expected true or false, got {self.streaming!r}")
         if self.mode is Mode.ASYNC:
@@ -127,6 +140,11 @@ class SchedulerConfig:
     def executions_per_group(self) -> int:
         """N' (executions launched per group), N without oversampling."""
         return self.oversample if self.oversample is not None else self.group_size
+
+    @property
+    def min_valid(self) -> int:
+        """Valid rewards a filtered group needs to train: below two there is no group baseline."""
+        return self.min_valid_rewards if self.min_valid_rewards is not None else min(2, self.group_size)
 
     @property
     def queue_depth_groups(self) -> int:

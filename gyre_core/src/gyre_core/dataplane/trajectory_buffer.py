@@ -1,20 +1,22 @@
 """The trajectory buffer: scored executions held by rollout group until the group is ready.
 
 A group is *ready* once it holds N valid rewards (the first N to arrive); only then can
-group-relative advantages be formed. What happens when it cannot get there mirrors the scheduler
-(:mod:`gyre_core.scheduler.state_machine`, same :class:`~gyre_core.config.ShortGroupRule`), so the
-two never disagree about a group:
+group-relative advantages be formed. What happens when it cannot get there is decided once, by the
+scheduler (:mod:`gyre_core.scheduler.state_machine`, :class:`~gyre_core.config.ShortGroupRule`); the
+buffer carries out its commands, so the two never disagree about a group:
 
 * **Oversampling** (N' > N executions per group): once N are valid the group is ready and every
   other member becomes *surplus*. The scheduler cancels the running ones; here a surplus
   execution is recorded once in :attr:`TrajectoryBuffer.surplus`, and its late reward (if any) is
   ignored rather than added to the group.
 * **Short group** (excluded members leave fewer than N possible valid rewards):
+  ``ShortGroupRule.FILTER`` (the default) makes the group ready with the valid rewards it holds once
+  all its executions have terminated, or *empty* (nothing to train, advantages over nothing) with
+  fewer than the minimum: the scheduler's ``GroupFiltered``, fed to :meth:`TrajectoryBuffer.filter`.
   ``ShortGroupRule.TOP_UP`` keeps the group, its slot and its policy version, and waits for the
   missing executions of the same query (the scheduler's ``DispatchGroup(refill_of=...)``, fed to
   :meth:`TrajectoryBuffer.dispatch`); ``ShortGroupRule.DROP`` discards the group and everything it
-  holds and returns the same ``GroupDropped`` the scheduler emits. The scheduler itself learns of
-  the exclusions from the assessment ledger's events.
+  holds on the scheduler's ``GroupDropped`` (:meth:`TrajectoryBuffer.drop`).
 
 Bad input (an unknown or foreign execution, a duplicate, a reward outside the range or NaN, a
 selection that does not fit its tree) raises before anything is stored.
@@ -27,10 +29,9 @@ import heapq
 import threading
 from dataclasses import dataclass, field
 
-from gyre_core.config import ShortGroupRule
 from gyre_core.dataplane.assessment import RewardRange
 from gyre_core.dataplane.objective import group_advantages
-from gyre_core.scheduler.events import DispatchGroup, GroupDropped
+from gyre_core.scheduler.events import DispatchGroup, GroupDropped, GroupFiltered
 from gyre_core.trajectory import SelectedTrajectory, TrajectoryTree
 
 __all__ = ["GroupNotReady", "ReadyGroup", "ScoredExecution", "TrajectoryBuffer"]
@@ -79,7 +80,10 @@ class ScoredExecution:
 
 @dataclass(frozen=True)
 class ReadyGroup:
-    """A ready group: its N executions (arrival order), their advantages, its policy version."""
+    """A ready group: its executions (arrival order), their advantages, its policy version.
+
+    N executions, or fewer for a filtered group; none for an empty one (it trains nothing).
+    """
 
     group_id: int
     version: int
@@ -100,6 +104,7 @@ class _Group:
     members: dict[int, _Member]
     valid: list[ScoredExecution] = field(default_factory=list)
     ready: bool = False
+    empty: bool = False
 
 
 class TrajectoryBuffer:
@@ -112,20 +117,20 @@ class TrajectoryBuffer:
     def __init__(
         self,
         group_size: int,
-        short_group: ShortGroupRule = ShortGroupRule.DROP,
         reward_range: RewardRange = RewardRange(),
         advantage_eps: float = 1e-6,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be ≥ 1, got {group_size}")
         self.group_size = group_size
-        self.short_group = ShortGroupRule(short_group)
         self.reward_range = reward_range
         self.advantage_eps = advantage_eps
         self.surplus: set[int] = set()
         """Executions that became surplus when their group filled (each recorded once)."""
         self.dropped: set[int] = set()
         """Groups dropped under ``ShortGroupRule.DROP``."""
+        self.emptied: set[int] = set()
+        """Groups filtered to nothing (fewer valid rewards than the minimum)."""
         self._groups: dict[int, _Group] = {}
         self._member_of: dict[int, int] = {}
         self._gone: set[int] = set()  # taken or dropped groups: late news about them is ignored
@@ -180,31 +185,58 @@ class TrajectoryBuffer:
                 self._make_ready(gid, g)
             return True
 
-    def exclude(self, execution_id: int) -> GroupDropped | None:
+    def exclude(self, execution_id: int) -> None:
         """The execution will never have a valid reward (budget expired, overall timeout, cancelled).
 
-        Returns ``GroupDropped`` if this left its group short under ``ShortGroupRule.DROP``.
+        What becomes of its group is the scheduler's decision (:meth:`filter`, :meth:`drop`).
         """
         with self._lock:
             gid = self._member_of.get(execution_id)
             if gid is None:
                 raise ValueError(f"execution {execution_id} belongs to no dispatched group")
             if gid in self._gone:
-                return None
+                return
             g = self._groups[gid]
             state = g.members[execution_id]
             if state is _Member.SURPLUS:
-                return None
+                return
             if state is not _Member.PENDING:
                 raise ValueError(f"execution {execution_id} is already {state.value}")
             g.members[execution_id] = _Member.EXCLUDED
-            possible = len(g.valid) + sum(m is _Member.PENDING for m in g.members.values())
-            if possible >= self.group_size or self.short_group is ShortGroupRule.TOP_UP:
-                return None
-            del self._groups[gid]
-            self._gone.add(gid)
-            self.dropped.add(gid)
-            return GroupDropped(gid)
+
+    def filter(self, cmd: GroupFiltered) -> None:
+        """The scheduler's ``GroupFiltered``: the group is ready with what it holds (or empty).
+
+        Members never reported valid are excluded (overall timeouts reach the scheduler directly).
+        Raises if the buffer holds a different number of valid rewards than the scheduler counted:
+        the driver fed the two different histories.
+        """
+        with self._lock:
+            g = self._open(cmd.group_id)
+            if g.ready:
+                raise ValueError(f"group {cmd.group_id} is already ready")
+            if len(g.valid) != cmd.valid:
+                raise ValueError(
+                    f"group {cmd.group_id}: the scheduler counted {cmd.valid} valid rewards, "
+                    f"the buffer holds {len(g.valid)}"
+                )
+            for eid, m in g.members.items():
+                if m is _Member.PENDING:
+                    g.members[eid] = _Member.EXCLUDED
+            g.empty = cmd.empty
+            if cmd.empty:
+                self.emptied.add(cmd.group_id)
+            self._make_ready(cmd.group_id, g)
+
+    def drop(self, cmd: GroupDropped) -> None:
+        """The scheduler's ``GroupDropped``: discard the group and everything it holds."""
+        with self._lock:
+            if cmd.group_id in self._gone:
+                return
+            self._open(cmd.group_id)
+            del self._groups[cmd.group_id]
+            self._gone.add(cmd.group_id)
+            self.dropped.add(cmd.group_id)
 
     # ----------------------------------------------------------------- outputs
 
@@ -248,6 +280,8 @@ class TrajectoryBuffer:
                 f"group {group_id} holds {len(g.valid)} of {self.group_size} valid rewards "
                 f"(missing executions: {missing})"
             )
+        if g.empty:
+            return ReadyGroup(group_id, g.version, (), ())
         advantages = group_advantages([s.reward for s in g.valid], self.advantage_eps)
         return ReadyGroup(group_id, g.version, tuple(g.valid), tuple(advantages))
 

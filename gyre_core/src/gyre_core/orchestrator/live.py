@@ -155,7 +155,7 @@ class LiveOrchestrator:
         self.journal = journal
         self.replay = replay
         self.sched = Scheduler(cfg.scheduler)
-        self.buffer = TrajectoryBuffer(cfg.scheduler.group_size, cfg.scheduler.short_group)
+        self.buffer = TrajectoryBuffer(cfg.scheduler.group_size)
         self.ledger = AssessmentLedger()
         self.packing_cfg = PackingConfig(token_budget=cfg.dataplane.token_budget, dp_size=1, min_fill=0.5,
                                          whole_executions=cfg.dataplane.whole_executions)
@@ -314,8 +314,8 @@ class LiveOrchestrator:
                 steps[cmd.step]["closed"] = True
             elif isinstance(cmd, ev.Publish):
                 publish_pending = cmd.version
-            elif isinstance(cmd, ev.GroupDropped):
-                self._account_group(cmd.group_id, "dropped")
+            elif isinstance(cmd, (ev.GroupDropped, ev.GroupFiltered)):
+                self._short_group(cmd)
 
         for rec in replay.order:
             kind = rec["kind"]
@@ -529,8 +529,18 @@ class LiveOrchestrator:
         elif isinstance(cmd, ev.Publish):
             self._publishing = cmd.version
             self._spawn(self._publish(cmd.version), f"publication of version {cmd.version}")
-        elif isinstance(cmd, ev.GroupDropped):
+        elif isinstance(cmd, (ev.GroupDropped, ev.GroupFiltered)):
+            self._short_group(cmd)
+
+    def _short_group(self, cmd: ev.GroupDropped | ev.GroupFiltered) -> None:
+        """The scheduler's decision on a group short of N valid rewards, carried out in the buffer."""
+        if isinstance(cmd, ev.GroupDropped):
+            self.buffer.drop(cmd)
             self._account_group(cmd.group_id, "dropped")
+            return
+        self.buffer.filter(cmd)
+        if cmd.empty:  # its few valid rewards give no group baseline: nothing of it is trained
+            self._account_group(cmd.group_id, "filtered")
 
     def _engine_url(self, engine: int) -> str:
         if engine < 0:
@@ -655,10 +665,8 @@ class LiveOrchestrator:
                 ex.fate = "excluded"
                 if self.journal is not None:
                     self.journal.write("excluded", execution_id=eid)
-                dropped = self.buffer.exclude(eid)
+                self.buffer.exclude(eid)
                 self._emit(answer)
-                if dropped is not None:
-                    self._account_group(dropped.group_id, "dropped")
                 return
             self._emit(answer)
             await asyncio.sleep(max(0.0, min(5.0, timeout, self.ledger.deadline(eid) - self.now())))
@@ -865,6 +873,7 @@ class LiveOrchestrator:
             fates[ex.fate] += 1
         return {"dispatched": snap.dispatched, "launched": snap.launched, "finished": snap.finished,
                 "trained": fates["trained"], "excluded": fates["excluded"], "dropped": fates["dropped"],
+                "filtered": fates["filtered"],
                 "surplus": fates["surplus"], "cancelled": fates["cancelled"],
                 "waiting": fates["ended"] + fates["assigned"], "running": fates["running"],
                 "stopped": fates["stopped"]}

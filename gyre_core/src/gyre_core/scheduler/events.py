@@ -223,6 +223,20 @@ class GroupDropped:
     group_id: int
 
 
+@dataclass(frozen=True)
+class GroupFiltered:
+    """Filter rule: every execution of a group short of N valid rewards has terminated.
+
+    The group is ready with the ``valid`` rewards it holds (advantages over those), or, with fewer
+    than the configured minimum, ``empty``: it is consumed like any group but trains nothing. The
+    data plane's trajectory buffer follows this command rather than deciding for itself.
+    """
+
+    group_id: int
+    valid: int
+    empty: bool
+
+
 Command = Union[
     DispatchGroup,
     Launch,
@@ -236,4 +250,5 @@ Command = Union[
     CloseStream,
     Publish,
     GroupDropped,
+    GroupFiltered,
 ]

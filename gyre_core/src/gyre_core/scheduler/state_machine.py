@@ -15,13 +15,19 @@ The rules are those of DESIGN.md §3 (numbers refer to its list):
       cells enter serially as a growing prefix and stay for the burst;
   (6) at burst end satellites return, the core publishes, and stays only if supply and capacity allow;
   (7) trajectory classes are the data plane's business, not the scheduler's.
+
+Groups short of N valid rewards follow :class:`~gyre_core.config.ShortGroupRule`; under the
+default ``filter`` rule every group is consumed exactly once and d changes only at publication.
+A run that can no longer make progress (every group comes up empty, dropped or topped up, e.g. a
+workload of only overall timeouts) stops with :class:`NoProgress` after a bounded number of
+groups, naming what excluded their executions.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gyre_core.config import Mode, SchedulerConfig, ShortGroupRule
@@ -31,6 +37,10 @@ from gyre_core.scheduler.events import STANDALONE, Outcome, Role
 
 class SchedulerError(RuntimeError):
     """The driver broke the protocol (e.g. ended an execution twice)."""
+
+
+class NoProgress(SchedulerError):
+    """Too many groups in a row ended without anything to train: the run cannot make progress."""
 
 
 class CellState(str, enum.Enum):
@@ -76,6 +86,7 @@ class _Group:
     valid: int = 0
     top_up_due: int = 0
     ready_at: float | None = None
+    empty: bool = False  # filter rule: fewer than min_valid valid rewards, trains nothing
 
 
 class _Phase(str, enum.Enum):
@@ -147,6 +158,11 @@ class Scheduler:
         self._step: _Step | None = None
         self._supply_since: float | None = None
         self._started = False
+        # groups in a row that ended with nothing to train, and why their executions were excluded
+        self._futile = 0
+        self._futile_kinds: Counter[str] = Counter()
+        self._exclusions: Counter[str] = Counter()
+        self.futile_limit = max(2 * config.queue_depth_groups, 2 * config.groups_per_step, 8)
 
     # ============================================================== public API
 
@@ -247,6 +263,9 @@ class Scheduler:
         x.engine = None
         g = self._groups[x.group_id]
         if x.state is ExecState.CANCELLING or e.outcome in (Outcome.CANCELLED, Outcome.OVERALL_TIMEOUT):
+            if x.state is not ExecState.CANCELLING:
+                self._exclusions["overall timeouts" if e.outcome is Outcome.OVERALL_TIMEOUT
+                                 else "cancelled by the driver"] += 1
             x.state = ExecState.EXCLUDED
             self._check_short(g, out)
         else:
@@ -263,12 +282,15 @@ class Scheduler:
         g.valid += 1
         if g.valid >= self.cfg.group_size:
             self._group_ready(g, out)
+        else:
+            self._maybe_filter(g, out)  # its last execution may just have been evaluated
 
     def _on_evaluation_unresolved(self, e: ev.EvaluationUnresolved, out: list[ev.Command]) -> None:
         x = self._evaluated(e.execution_id)
         if x is None or not e.final:
             return  # retried by the evaluator against the same preserved state
         x.state = ExecState.EXCLUDED
+        self._exclusions["evaluations unresolved within the budget"] += 1
         self._check_short(self._groups[x.group_id], out)
 
     def _evaluated(self, execution_id: int) -> _Execution | None:
@@ -414,6 +436,7 @@ class Scheduler:
         return eids
 
     def _top_up(self, g: _Group, out: list[ev.Command]) -> None:
+        self._note_futile("topped up")
         eids = self._new_executions(g.group_id, g.top_up_due)
         g.execution_ids.extend(eids)
         g.top_up_due = 0
@@ -430,6 +453,12 @@ class Scheduler:
     # -- groups -----------------------------------------------------------------------------------
 
     def _group_ready(self, g: _Group, out: list[ev.Command]) -> None:
+        if g.empty:
+            self._note_futile("empty")
+        else:
+            self._futile = 0
+            self._futile_kinds.clear()
+            self._exclusions.clear()
         g.state = GroupState.READY
         g.ready_at = self.now
         g.top_up_due = 0
@@ -449,9 +478,36 @@ class Scheduler:
                 x.state = ExecState.CANCELLING
                 out.append(ev.Cancel(eid))
 
+    def _maybe_filter(self, g: _Group, out: list[ev.Command]) -> None:
+        """Filter rule: a group whose executions have all terminated is ready with what it holds."""
+        if self.cfg.short_group is not ShortGroupRule.FILTER or g.state is not GroupState.ROLLING:
+            return
+        if any(self._execs[eid].state in _PENDING for eid in g.execution_ids):
+            return
+        g.empty = g.valid < self.cfg.min_valid
+        out.append(ev.GroupFiltered(g.group_id, g.valid, g.empty))
+        self._group_ready(g, out)
+
+    def _note_futile(self, kind: str) -> None:
+        self._futile += 1
+        self._futile_kinds[kind] += 1
+        if self._futile < self.futile_limit:
+            return
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self._futile_kinds.items()))
+        causes = ", ".join(f"{n} {k}" for k, n in self._exclusions.most_common()) or "none recorded"
+        raise NoProgress(
+            f"no progress: the last {self._futile} groups ended with nothing to train ({kinds}; "
+            f"a group needs {self.cfg.min_valid} valid rewards under the {self.cfg.short_group.value} "
+            f"rule, {self.cfg.group_size} otherwise). Their executions were excluded by: {causes}. "
+            f"Check the harness's overall budget and the evaluator."
+        )
+
     def _check_short(self, g: _Group, out: list[ev.Command]) -> None:
-        """A group that can no longer collect N valid rewards is topped up or dropped."""
+        """A group that can no longer collect N valid rewards is filtered, topped up or dropped."""
         if g.state is not GroupState.ROLLING:
+            return
+        if self.cfg.short_group is ShortGroupRule.FILTER:
+            self._maybe_filter(g, out)
             return
         possible = g.valid + sum(1 for eid in g.execution_ids if self._execs[eid].state in _PENDING)
         missing = self.cfg.group_size - possible - g.top_up_due
@@ -462,6 +518,7 @@ class Scheduler:
             del self._live[g.group_id]
             self._cancel_rest(g, out)
             out.append(ev.GroupDropped(g.group_id))
+            self._note_futile("dropped")
         else:
             g.top_up_due += missing
         self._prevent_starvation(out)

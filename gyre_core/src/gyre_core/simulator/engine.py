@@ -277,6 +277,10 @@ class Simulation:
             self._after_work_change()
         elif isinstance(cmd, ev.Publish):
             self._push(self.now + p.publication_s, _PUBLICATION, cmd.version)
+        elif isinstance(cmd, ev.GroupFiltered):
+            if cmd.empty:
+                self._valid_tokens[cmd.group_id] = []  # consumed once, trains nothing
+            self._groups[cmd.group_id].ready = self.now
         elif isinstance(cmd, ev.GroupDropped):
             pass
 
