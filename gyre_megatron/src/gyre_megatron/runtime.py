@@ -431,7 +431,11 @@ class CellRank(RankChecks):
                     buf.mul_(self.opts.clip_grad / (norm + 1e-6))
             if self._transport is not None:
                 self._transport.release()  # the snapshot window is over
-            ok, _, _ = self.optimizer.step()
+            if total > 0:
+                ok, _, _ = self.optimizer.step()
+            else:  # every group of the step came up empty: Adam's momentum alone must not move it
+                ok = True
+                info["skipped_update"] = "no trainable tokens"
             info["grad_norm"], info["update_ok"] = norm, bool(ok)
         self.zero_grads()
         if not final and m > 1:
