@@ -300,7 +300,7 @@ def test_synthetic_rejects_a_bad_group_size() -> None:
         ({"difficulty_sigma": -0.1}, "difficulty_sigma"),
         ({"harness_timeout_h": float("nan")}, "harness_timeout_h"),
         ({"harness_timeout_h": "4.5"}, "harness_timeout_h"),
-        ({"overall_budget_h": 4.5}, "overall_budget_h"),  # must exceed the harness timeout
+        ({"overall_budget_h": 3.5}, "overall_budget_h"),  # must exceed the harness timeout
         ({"hard_query_fraction": 1.5}, "hard_query_fraction"),
         ({"stall_prob": -0.1}, "stall_prob"),
         ({"budget_query_fraction": 2.0}, "budget_query_fraction"),

@@ -32,7 +32,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", type=Path, help="write timelines, training shares, event logs and summary here")
     sim.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    sim.add_argument("--auto-burst", action="store_true", help="let Gyre choose μ (φ from the law) by simulation")
+    sim.add_argument("--auto-burst", action="store_true", help="let Gyre choose (φ, μ) by simulation: every μ on the target staleness "
+                     "(with --phi: that φ, every μ within the target); prints the table it searched")
     sim.add_argument("--mu", type=int, help="override Gyre's steps per burst μ (φ from the law)")
     sim.add_argument("--phi", type=float, help="override Gyre's extra dispatch φ (μ from the law)")
     sim.add_argument("--train-minutes", type=float, help="minutes for the full pool to train one step")
@@ -44,7 +45,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--rho-min", type=float, help="ρ_min, supply fraction of B needed to add a cell")
     sim.add_argument("--tau", type=float, help="τ, seconds the supply must hold before a transition")
     sim.add_argument("--oversample", type=int, help="N' > N executions launched per group")
-    sim.add_argument("--short-group", choices=["top_up", "drop"], help="rule for groups short of N valid rewards")
+    sim.add_argument("--short-group", choices=["filter", "top_up", "drop"],
+                     help="rule for groups short of N valid rewards (default filter, the paper's)")
+    sim.add_argument("--min-valid-rewards", type=int, help="valid rewards a filtered group needs to train (default 2)")
     sim.add_argument("--publication-s", type=float, help="seconds to publish weights to every engine")
     sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -85,6 +88,7 @@ _FLAG_TO_FIELD = {
     "tau": "supply_window_s",
     "oversample": "oversample",
     "short_group": "short_group",
+    "min_valid_rewards": "min_valid_rewards",
 }
 
 
@@ -107,6 +111,14 @@ def _simulate(args: argparse.Namespace) -> int:
     staleness = preset.staleness if args.staleness is None else args.staleness
     base = SchedulerConfig(**fields)
     for mode in modes:  # every mode's own (φ, μ) must form a valid config
+        if mode is Mode.GYRE and args.auto_burst:
+            if args.mu is not None:
+                raise ConfigError("auto_burst: the search chooses μ; give --phi to fix φ, not --mu")
+            from gyre_core.scheduler.burst import burst_candidates
+
+            for phi, mu in burst_candidates(staleness, args.phi):
+                SchedulerConfig(**{**fields, "mode": mode, "extra_dispatch": phi, "steps_per_burst": mu})
+            continue
         if mode is Mode.GYRE:
             phi, mu = solve_burst(mode, staleness, mu=args.mu, phi=args.phi)
         else:
@@ -156,6 +168,14 @@ def _print_table(summary: dict) -> None:
         shares = " ".join(f"{s:.2f}" for s in r["cell_training_share"])
         print(f"{mode:<10}{r['phi']:>6g}{r['mu']:>4}{r['end_to_end_s'] / 3600:>10.2f}{r['steps']:>7}"
               f"{r['mean_staleness']:>11.3f}  {shares}")
+    if summary.get("auto_burst"):
+        chosen = summary["modes"].get("gyre", {})
+        print("burst search (gyre):")
+        print(f"  {'φ':>6}{'μ':>4}{'E[d] law':>10}{'measured':>10}{'hours':>10}")
+        for t in summary["auto_burst"]:
+            mark = "  <- chosen" if (t["phi"], t["mu"]) == (chosen.get("phi"), chosen.get("mu")) else ""
+            print(f"  {t['phi']:>6g}{t['mu']:>4}{t['expected_staleness']:>10g}{t['mean_staleness']:>10.3f}"
+                  f"{t['end_to_end_s'] / 3600:>10.2f}{mark}")
     if "async_training_cells" in summary["modes"].get("async", {}):
         print(f"async uses its best split: {summary['modes']['async']['async_training_cells']} training cells")
     for name, value in summary["speedup"].items():
@@ -259,6 +279,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from gyre_core.orchestrator.journal import JournalError
+    from gyre_core.scheduler.state_machine import NoProgress
     from gyre_core.simulator.engine import SimulationStalled
     from gyre_core.simulator.workload import TraceError
 
@@ -276,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SimulationStalled as exc:
         print(f"gyre-orchestrate: simulation stalled: {exc}", file=sys.stderr)
+        return 1
+    except NoProgress as exc:  # the scheduler's own verdict, in a simulation or a live run
+        print(f"gyre-orchestrate: {exc}", file=sys.stderr)
         return 1
 
 

@@ -58,5 +58,24 @@ def _checked(phi: float, mu: int) -> tuple[float, int]:
 
 
 def burst_lengths(target: float) -> list[int]:
-    """Every μ the target allows (φ ≥ 0), for --auto-burst to try."""
+    """Every μ the target allows (φ ≥ 0)."""
     return list(range(1, int(math.floor(2 * target + 1e-9)) + 2))
+
+
+def burst_candidates(target: float, phi: float | None = None) -> list[tuple[float, int]]:
+    """The (φ, μ) pairs ``--auto-burst`` simulates.
+
+    Without ``phi``: every μ the target allows, each with φ = target − (μ − 1)/2 on the law, from
+    the longest extra dispatch (μ = 1, φ = target) to none (φ < 1/2). With ``phi`` fixed: every μ
+    whose E[d] = φ + (μ − 1)/2 stays within the target (a staleness budget, not a point).
+    """
+    if not (isinstance(target, (int, float)) and math.isfinite(target) and target >= 0):
+        raise ConfigError(f"staleness: target E[d] must be a finite number ≥ 0, got {target!r}")
+    if phi is None:
+        return [_checked(target - (mu - 1) / 2, mu) for mu in burst_lengths(target)]
+    if not (math.isfinite(phi) and phi >= 0):
+        raise ConfigError(f"extra_dispatch: φ must be ≥ 0, got {phi!r}")
+    if phi > target + 1e-9:
+        raise ConfigError(f"extra_dispatch: φ={phi:g} alone exceeds the target E[d]={target:g}")
+    mus = range(1, int(math.floor(2 * (target - phi) + 1e-9)) + 2)
+    return [_checked(phi, mu) for mu in mus]

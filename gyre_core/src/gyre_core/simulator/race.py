@@ -1,8 +1,8 @@
 """Race Gyre, Async and Colocate on the same workload, the way the paper compares them.
 
 Every mode runs the same scheduler class with its own (φ, μ) for one target E[d]; Async gets the
-best rollout/training split found by trying all of them; ``auto_burst`` lets Gyre pick μ by
-simulation. Group i draws the same executions in every run (its random stream is seeded by the
+best rollout/training split found by trying all of them; ``auto_burst`` lets Gyre pick (φ, μ) by
+simulation (:func:`~gyre_core.scheduler.burst.burst_candidates`). Group i draws the same executions in every run (its random stream is seeded by the
 seed and the group id), so differences come from scheduling alone.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from gyre_core.config import ConfigError, Mode, SchedulerConfig
-from gyre_core.scheduler.burst import burst_lengths, solve_burst
+from gyre_core.scheduler.burst import burst_candidates, expected_staleness, solve_burst
 from gyre_core.simulator.engine import SimParams, SimResult, Simulation
 from gyre_core.simulator.timeline import write_role_timeline_svg
 from gyre_core.simulator.workload import GroupDraw, Workload
@@ -44,15 +44,37 @@ def calibrate_cell_rate(
     """
     rng = random.Random(f"calibrate:{seed}")
     per_group = []
+    executions = overall_timeouts = 0
     for _ in range(samples):
         draw = workload.draw_group(rng, cfg.executions_per_group)
+        executions += len(draw.executions)
         valid = [r.tokens or 0 for r in draw.executions if r.outcome.value != "overall_timeout"]
+        overall_timeouts += len(draw.executions) - len(valid)
         mean = sum(valid) / len(valid) if valid else 0.0
         per_group.append(mean * cfg.group_size)
+    if overall_timeouts == executions:
+        raise ConfigError(
+            f"workload: all {executions} executions of {samples} sampled groups are overall timeouts "
+            "(discarded before a valid reward): no group would ever have anything to train"
+        )
     step_tokens = cfg.groups_per_step * sum(per_group) / len(per_group)
     if step_tokens <= 0:
-        raise ConfigError("workload: executions carry no tokens, cannot model training time")
+        raise ConfigError("workload: the valid executions carry no tokens, cannot model training time")
     return step_tokens / (cfg.cells * full_pool_step_s)
+
+
+@dataclass(frozen=True)
+class BurstTrial:
+    """One (φ, μ) pair the burst search simulated."""
+
+    phi: float
+    mu: int
+    end_to_end_s: float
+    mean_staleness: float
+
+    def to_json(self) -> dict:
+        return {"phi": self.phi, "mu": self.mu, "expected_staleness": expected_staleness(self.phi, self.mu),
+                "mean_staleness": round(self.mean_staleness, 4), "end_to_end_s": round(self.end_to_end_s, 1)}
 
 
 @dataclass
@@ -60,7 +82,7 @@ class RaceResult:
     target_staleness: float
     results: dict[str, SimResult]
     async_splits: dict[int, float]
-    auto_burst: dict[int, float]
+    auto_burst: list[BurstTrial]
 
     def to_json(self) -> dict:
         modes = {m: r.summary() for m, r in self.results.items()}
@@ -73,7 +95,7 @@ class RaceResult:
         if self.async_splits:
             out["async_splits"] = {str(k): round(v, 1) for k, v in self.async_splits.items()}
         if self.auto_burst:
-            out["auto_burst"] = {str(k): round(v, 1) for k, v in self.auto_burst.items()}
+            out["auto_burst"] = [t.to_json() for t in self.auto_burst]
         return out
 
 
@@ -109,16 +131,17 @@ def race(
     chosen: dict[str, SchedulerConfig] = {}
     results: dict[str, SimResult] = {}
     splits: dict[int, float] = {}
-    bursts: dict[int, float] = {}
+    bursts: list[BurstTrial] = []
+    if auto_burst and gyre_mu is not None:
+        raise ConfigError("auto_burst: the search chooses μ; give --phi to fix φ, not --mu")
     for mode in parsed:
         if mode is Mode.GYRE:
-            if auto_burst and gyre_mu is None:
+            if auto_burst:
                 best = None
-                for mu in burst_lengths(staleness):
-                    phi, mu = solve_burst(mode, staleness, mu=mu)
+                for phi, mu in burst_candidates(staleness, gyre_phi):
                     cfg = dataclasses.replace(base, mode=mode, extra_dispatch=phi, steps_per_burst=mu)
                     r = simulate(cfg, f"gyre auto-burst μ={mu} φ={phi:g}")
-                    bursts[mu] = r.end_to_end_s
+                    bursts.append(BurstTrial(phi, mu, r.end_to_end_s, r.mean_staleness))
                     if best is None or r.end_to_end_s < best[0]:
                         best = (r.end_to_end_s, cfg, r)
                 assert best is not None
