@@ -92,7 +92,7 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
     ends = [r["event"]["execution_id"] for r in recs if r["kind"] == "event" and r["event"]["type"] == "ExecutionEnded"]
     groups = [g for rec in summary["step_records"] for g in rec["groups"]]
     ex = summary["executions"]
-    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     return {"benchmark": "crash_resume", "kills": len(points), "points": points, "steps": summary["steps"],
             "target_steps": steps, "ended": len(ends), "ended_twice": len(ends) - len(set(ends)),
             "groups_trained": len(groups), "groups_trained_twice": len(groups) - len(set(groups)),

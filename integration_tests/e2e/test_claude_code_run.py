@@ -70,7 +70,7 @@ max_new_tokens = 48
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 1 and summary["policy_version"] == 1
     ex = summary["executions"]
-    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"] and ex["trained"] == 2 and ex["excluded"] == 0
 
     journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]

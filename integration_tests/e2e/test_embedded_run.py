@@ -36,7 +36,7 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     ex = summary["executions"]
     assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0
     # every finished execution is accounted for; none is lost
-    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"]
     assert ex["trained"] == 3 * 2 * 4  # 3 steps × B=2 groups × N=4
     assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"]

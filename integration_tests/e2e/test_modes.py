@@ -50,7 +50,7 @@ def _run(out: Path, mode: str, phi: float, mu: int) -> tuple[dict[str, Any], lis
 def _check_accounting(summary: dict[str, Any]) -> None:
     ex = summary["executions"]
     assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0
-    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"], ex
     assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
     assert ex["trained"] == STEPS * B * N, ex

@@ -86,7 +86,7 @@ def test_kill_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path: Path) 
     groups = [g for rec in summary["step_records"] for g in rec["groups"]]
     assert len(groups) == len(set(groups)) == STEPS * 2  # B = 2 groups per step, each trained once
     ex = summary["executions"]
-    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"]
     assert ex["launched"] == ex["finished"] + ex["stopped"] + ex["running"]
     after = _journal(out)

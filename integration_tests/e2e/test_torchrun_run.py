@@ -71,7 +71,7 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["policy_version"] == 2
     ex = summary["executions"]
-    accounted = ex["trained"] + ex["dropped"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
+    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"] and ex["trained"] == 2 * 2 * 4
     assert any(s["transition"] == "to_training" for s in summary["role_switches"])
     # the engines were started by the ranks (their logs are where the orchestrator asked)

@@ -40,7 +40,7 @@ def world(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
-    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=4) as w:
+    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=6) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
         hf = load_hf_qwen2(ref.location).double()
         yield w, hf
@@ -106,6 +106,33 @@ def test_flipped_advantages_flip_the_gradient_and_zero_advantages_give_none(worl
         np.testing.assert_allclose(g_neg[n], -g_pos[n], rtol=0, atol=1e-6 * scale, err_msg=n)
         assert not np.any(g_zero[n]), n
     assert fig0["loss"] == 0.0 and fig0["clipped"] == 0
+
+
+def test_a_step_with_nothing_to_train_leaves_the_weights_alone(world) -> None:
+    """Filter rule: a step whose groups all came up empty streams no micro-step; after a real step
+    has given Adam momentum, the empty one must not move a single weight (nor fail)."""
+    w, hf = world
+    core = w.ranks_of(0)
+    w.call(core, "save_state")
+    try:
+        tk = w.submit(core, "run_step", 100, 4)
+        q = w.queues[4]
+        for m in make_gspo_microsteps(hf, OFFSETS, ADVANTAGES, seed=6):
+            q.put(m)
+        q.close()
+        real = w.wait(tk, 120)
+        assert "skipped_update" not in real[0] and real[0]["update_ok"]
+        before = w.call(core, "params_numpy")
+        w.queues[5].close()
+        empty = w.wait(w.submit(core, "run_step", 101, 5), 120)
+        assert empty[0]["micro_steps"] == 0 and empty[0]["total_tokens"] == 0
+        assert empty[0]["skipped_update"] == "no trainable tokens"
+        after = w.call(core, "params_numpy")
+        for pa, pb in zip(before, after):
+            for name in pa:
+                np.testing.assert_array_equal(pb[name], pa[name], err_msg=name)
+    finally:
+        w.call(core, "restore_state")
 
 
 @pytest.fixture(scope="module")
