@@ -339,7 +339,7 @@ def test_raw_http_errors(proxy: tuple[str, str, Any]) -> None:
         (httpx.post(url + "/v1/messages?beta=true", headers={**h, "content-type": "application/json"},
                     content=b"{not json"), 400, "invalid_request_error"),
         (httpx.post(url + "/v1/messages", headers={**h, "content-type": "text/plain"}, content=b"{}"),
-         400, "invalid_request_error"),
+         415, "invalid_request_error"),
         (httpx.post(url + "/v1/messages", headers={**h, "content-type": "application/json"},
                     content=b"{" + b" " * 70_000 + b"}"), 413, "request_too_large"),
         (httpx.post(url + "/v1/messages", headers={"authorization": "Bearer nope"}, json={}), 401,

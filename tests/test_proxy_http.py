@@ -107,7 +107,7 @@ def test_one_execution_cannot_touch_another(stack) -> None:
     ("kwargs", "status", "code"),
     [
         ({"content": b"{not json", "headers": {"Content-Type": "application/json"}}, 400, "invalid_request"),
-        ({"content": b"{}", "headers": {"Content-Type": "text/plain"}}, 415, "invalid_request"),
+        ({"content": b"{}", "headers": {"Content-Type": "text/plain"}}, 415, "unsupported_media_type"),
         ({"json": {"model": "nope", "messages": [{"role": "user", "content": "x"}]}}, 404, "model_not_found"),
         ({"json": {"model": "tiny", "messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}}, 400, "invalid_request"),
         ({"json": {"model": "tiny", "messages": [

@@ -222,7 +222,9 @@ def _proxy(args: argparse.Namespace) -> int:
           "-H 'Content-Type: application/json' -d '{}'   # -> execution_id, api_key", file=sys.stderr)
     print(f"then point the harness at {base}/v1 (OpenAI) or {base} (Anthropic) with that api_key", file=sys.stderr)
     app = build_app(service, admin_token=token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    from gyre_core.proxy.http_layer import uvicorn_config
+
+    uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port)).run()
     return 0
 
 

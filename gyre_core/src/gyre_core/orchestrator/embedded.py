@@ -130,8 +130,9 @@ def _serving_dir(v0: WeightsRef, tokenizer_dir: Path) -> Path:
 async def _serve_proxy(app: Any, host: str, port: int, uds: str | None = None) -> tuple[Any, asyncio.Task[Any], int]:
     import uvicorn
 
-    config = (uvicorn.Config(app, uds=uds, log_level="warning", lifespan="off") if uds else
-              uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    from gyre_core.proxy.http_layer import uvicorn_config
+
+    config = uvicorn_config(app, uds=uds) if uds else uvicorn_config(app, host=host, port=port)
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     for _ in range(200):

@@ -24,8 +24,10 @@ Translation rules (why each one):
 * ``cache_control``, ``metadata``, ``context_management``, ``output_config``, ``thinking``,
   ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``tool_choice`` are ignored:
   sampling is Gyre's decision, not the harness's.
-* Credentials (``x-api-key``, ``authorization``) are taken out of the headers handed to the core,
-  so they are never recorded into trajectory metadata.
+* ``max_tokens`` is required, as in Anthropic's API (it can only lower Gyre's own cap).
+* Credentials, body limits, JSON checks, error shapes and the SSE response come from the shared
+  HTTP layer (:mod:`gyre_core.proxy.http_layer`); recorded headers are an allowlist, so no
+  credential ever reaches trajectory metadata.
 
 The SSE stream of one answer is, in order::
 
@@ -48,7 +50,10 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Protocol
 
-from gyre_core.proxy.http_io import read_body, until_done_or_gone
+from gyre_core.proxy.http_layer import (
+    anthropic_error_body, api_key_of, check_headers, check_max_tokens, decode_json, event_stream, read_json,
+    until_done_or_gone, with_pings,
+)
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall, recordable_headers
 
 if TYPE_CHECKING:
@@ -77,17 +82,6 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 
 STOP_REASONS: Mapping[str, str] = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
-_ERROR_TYPES: Mapping[str, str] = {
-    "invalid_request": "invalid_request_error",
-    "authentication": "authentication_error",
-    "permission": "permission_error",
-    "not_found": "not_found_error",
-    "request_too_large": "request_too_large",
-    "rate_limit": "rate_limit_error",
-    "overloaded": "overloaded_error",
-    "engine": "api_error",
-}
-
 _IGNORED_BLOCK_TYPES = frozenset({"redacted_thinking"})
 _PLACEHOLDER = {"image": "[image omitted: text-only model]", "document": "[document omitted: text-only model]"}
 
@@ -98,12 +92,11 @@ _PLACEHOLDER = {"image": "[image omitted: text-only model]", "document": "[docum
 
 def error_type(kind: str) -> str:
     """Anthropic's error ``type`` for a :class:`ProxyError` kind (unknown kinds are ``api_error``)."""
-    return _ERROR_TYPES.get(kind, "api_error")
+    return str(anthropic_error_body(kind, "")["error"]["type"])
 
 
-def error_body(kind: str, message: str) -> dict[str, Any]:
-    """The body Anthropic sends with an error, which the SDKs turn into typed exceptions."""
-    return {"type": "error", "error": {"type": error_type(kind), "message": message}}
+error_body = anthropic_error_body
+"""The body Anthropic sends with an error (the shared layer's renderer)."""
 
 
 def _invalid(message: str) -> ProxyError:
@@ -115,31 +108,24 @@ def _invalid(message: str) -> ProxyError:
 
 
 def parse_body(raw: bytes, content_type: str | None, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """Decode a request body, refusing oversize bodies, non-JSON content types and malformed JSON."""
+    """Decode a request body already read: size, content type and JSON checks of the shared layer,
+    and a Messages body must be an object."""
     if len(raw) > max_bytes:
-        raise ProxyError(413, "request_too_large", f"request body is {len(raw)} bytes; the limit is {max_bytes}")
+        raise ProxyError(413, "request_too_large", f"request body is {len(raw)} bytes; the limit is {max_bytes} bytes")
     media = (content_type or "").split(";")[0].strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
         raise _invalid(f"content-type must be application/json, got {media!r}")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _invalid(f"request body is not valid JSON: {exc}") from None
+    return _object(decode_json(raw))
+
+
+def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _invalid(f"request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
-def credentials(headers: Mapping[str, str]) -> str | None:
-    """The API key of a request: ``x-api-key``, else a bearer token (Claude Code may use either)."""
-    key = headers.get("x-api-key")
-    if key:
-        return key.strip()
-    auth = headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return None
+credentials = api_key_of
+"""The API key of a request: ``x-api-key``, else a bearer token (Claude Code may use either)."""
 
 
 def _text_of(blocks: Any, where: str, *, allow: frozenset[str] = frozenset({"text"})) -> list[str]:
@@ -284,9 +270,9 @@ def to_chat_request(body: Mapping[str, Any], *, execution_id: str, headers: Mapp
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _invalid("model: required string")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise _invalid("max_tokens: must be a positive integer")
+    if body.get("max_tokens") is None:
+        raise _invalid("max_tokens: required (the Messages API requires it)")
+    max_tokens = check_max_tokens(body.get("max_tokens"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _invalid("stream: must be a boolean")
@@ -465,7 +451,7 @@ def _error_response(exc: BaseException) -> "JSONResponse":
     if isinstance(exc, ProxyError):
         return JSONResponse(error_body(exc.kind, exc.message), status_code=exc.status)
     log.exception("internal error in /v1/messages", exc_info=exc)
-    return JSONResponse(error_body("engine", f"internal error ({type(exc).__name__})"), status_code=500)
+    return JSONResponse(error_body("internal", f"internal error ({type(exc).__name__})"), status_code=500)
 
 
 def _error_event(exc: BaseException) -> bytes:
@@ -485,7 +471,7 @@ def make_router(
     """FastAPI routes of the Anthropic face: ``POST /v1/messages`` and harmless ``GET``/``HEAD /``."""
     from fastapi import APIRouter
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
 
     router = APIRouter()
 
@@ -496,9 +482,9 @@ def make_router(
 
     async def messages(request: Request) -> Response:
         try:
-            headers = {k.lower(): v for k, v in request.headers.items()}
-            execution_id = service.authenticate(credentials(headers))
-            body = parse_body(await read_body(request, max_body_bytes), headers.get("content-type"), max_body_bytes)
+            headers = check_headers(request)
+            execution_id = service.authenticate(api_key_of(headers))
+            body = _object(await read_json(request, max_body_bytes))
             chat = to_chat_request(body, execution_id=execution_id, headers=headers)
         except Exception as exc:  # noqa: BLE001 - every refusal is rendered in Anthropic's shape
             return _error_response(exc)
@@ -519,25 +505,19 @@ def make_router(
         if done and task.exception() is not None:
             return _error_response(task.exception())  # type: ignore[arg-type]
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                while not task.done():
-                    yield encode_sse("ping", {"type": "ping"})
-                    await asyncio.wait({task}, timeout=ping_every_s)
-                if task.exception() is not None:
-                    yield _error_event(task.exception())  # type: ignore[arg-type]
-                    return
-                for event, data in message_events(task.result(), chat.model):
-                    yield encode_sse(event, data)
-            finally:
-                if not task.done():  # the client went away mid-wait: abort the engine call
-                    task.cancel()
+        ping = encode_sse("ping", {"type": "ping"})
 
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
+        async def events() -> AsyncIterator[bytes]:
+            yield ping
+            async for beat in with_pings(task, ping_every_s, ping):
+                yield beat
+            if task.exception() is not None:
+                yield _error_event(task.exception())  # type: ignore[arg-type]
+                return
+            for event, data in message_events(task.result(), chat.model):
+                yield encode_sse(event, data)
+
+        return event_stream(events, task)
 
     # Annotations are strings here (postponed evaluation) naming imports local to this function,
     # which FastAPI could not resolve: hand it the classes.

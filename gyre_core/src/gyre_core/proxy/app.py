@@ -2,7 +2,9 @@
 
 Security by default: binds 127.0.0.1 unless told otherwise; every harness route needs an
 execution's API key (``Authorization: Bearer`` or ``x-api-key``) and an execution reaches only its
-own records; every ``/gyre/`` route needs the admin token; bodies are size-limited while read.
+own records; every ``/gyre/`` route needs the admin token. Limits (headers, body size, JSON depth,
+Unicode, numbers) and error rendering are the shared HTTP layer's (:mod:`gyre_core.proxy.http_layer`),
+so malformed input gets a 4xx in the API's own shape, never a 500 or a dropped connection.
 
 Faces are pluggable: ``build_app(service, admin_token=..., faces=[openai_face, anthropic_face])``;
 a face is ``face(app, service) -> None`` that adds its routes (e.g. ``app.include_router(...)``)
@@ -26,17 +28,20 @@ Management routes (admin token as ``Authorization: Bearer``):
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from gyre_core.proxy.http_io import read_body
-from gyre_core.proxy.service import ProxyService
+from gyre_core.proxy import anthropic_api
+from gyre_core.proxy.http_layer import (
+    api_key_of, check_headers, headers_of, openai_error_body, read_json, register_error_renderer, render_error,
+)
+from gyre_core.proxy.openai_api import openai_error, openai_face
+from gyre_core.proxy.service import MAX_EXECUTION_ID, ProxyService
 from gyre_core.proxy.types import ProxyError
 from gyre_core.trajectory import TrajectoryRow
 
@@ -48,82 +53,15 @@ __all__ = [
     "default_faces",
     "headers_of",
     "openai_error",
+    "openai_error_body",
     "read_json",
     "register_error_renderer",
 ]
 
 log = logging.getLogger(__name__)
 
-Face = Callable[[FastAPI, ProxyService], None]
-ErrorRenderer = Callable[[ProxyError], Response]
-
-_OPENAI_TYPES = {
-    "invalid_request": "invalid_request_error",
-    "authentication": "authentication_error",
-    "not_found": "not_found_error",
-    "request_too_large": "invalid_request_error",
-    "overloaded": "server_error",
-    "engine": "server_error",
-    "conflict": "invalid_request_error",
-    "permission": "permission_error",
-    "internal": "server_error",
-}
-
-
-def openai_error_body(err: ProxyError) -> dict[str, Any]:
-    """OpenAI's error shape: ``{"error": {"message", "type", "code", "param"}}``."""
-    code = err.kind
-    if err.status == 404 and err.message.startswith("model "):
-        code = "model_not_found"
-    elif err.message.startswith("context_length_exceeded"):
-        code = "context_length_exceeded"
-    return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.kind, "invalid_request_error"),
-                      "code": code, "param": None}}
-
-
-def openai_error(err: ProxyError) -> Response:
-    return JSONResponse(openai_error_body(err), status_code=err.status)
-
-
-def register_error_renderer(app: FastAPI, prefix: str, renderer: ErrorRenderer) -> None:
-    """Render every error under ``prefix`` with ``renderer`` (longest prefix wins)."""
-    app.state.error_renderers.append((prefix, renderer))
-    app.state.error_renderers.sort(key=lambda p: -len(p[0]))
-
-
-def _render_error(request: Request, err: ProxyError) -> Response:
-    for prefix, fn in request.app.state.error_renderers:
-        if request.url.path.startswith(prefix):
-            return fn(err)
-    return openai_error(err)
-
-
-def api_key_of(headers: Mapping[str, str]) -> str | None:
-    """The bearer token or ``x-api-key`` of lower-cased headers."""
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return headers.get("x-api-key") or None
-
-
-def headers_of(request: Request) -> dict[str, str]:
-    """Request headers, names lower-cased (repeated headers joined by ``,``)."""
-    out: dict[str, str] = {}
-    for k, v in request.headers.items():
-        out[k] = f"{out[k]},{v}" if k in out else v
-    return out
-
-
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The body as JSON after the content-type check, read incrementally up to ``max_bytes``."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json" and not ctype.endswith("+json"):
-        raise ProxyError(415, "invalid_request", f"Content-Type must be application/json, got {ctype or 'none'!r}")
-    raw = await read_body(request, max_bytes)
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProxyError(400, "invalid_request", f"malformed JSON body: {exc}") from None
+Face = Any
+"""``face(app, service) -> None``: adds its routes and registers its error renderer."""
 
 
 def _kind_for_status(status: int) -> str:
@@ -133,14 +71,14 @@ def _kind_for_status(status: int) -> str:
 
 
 def _require_admin(request: Request) -> None:
-    given = api_key_of(headers_of(request)) or ""
+    given = api_key_of(check_headers(request)) or ""
     if not hmac.compare_digest(given.encode("utf-8", "replace"), request.app.state.admin_token.encode()):
         raise ProxyError(401, "authentication", "admin token required")
 
 
 def _eid(raw: str) -> int:
-    if not raw.isdigit() or len(raw) > 18:
-        raise ProxyError(404, "not_found", f"no execution {raw!r}")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or int(raw) >= MAX_EXECUTION_ID:
+        raise ProxyError(404, "not_found", f"no execution {raw[:40]!r}")
     return int(raw)
 
 
@@ -150,10 +88,9 @@ def _int_query(request: Request, name: str, default: int | None) -> int:
         if default is None:
             raise ProxyError(400, "invalid_request", f"query parameter {name} is required")
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ProxyError(400, "invalid_request", f"query parameter {name} must be an integer") from None
+    if not (raw.isascii() and raw.lstrip("-").isdigit()) or len(raw) > 18:
+        raise ProxyError(400, "invalid_request", f"query parameter {name} must be an integer")
+    return int(raw)
 
 
 def _management_router(service: ProxyService) -> APIRouter:
@@ -163,8 +100,7 @@ def _management_router(service: ProxyService) -> APIRouter:
     @r.post("/gyre/executions")
     async def create(request: Request) -> Response:
         _require_admin(request)
-        raw = await request.body() if request.headers.get("content-length", "0") != "0" else b""
-        body = json.loads(raw) if raw.strip() else {}
+        body = await read_json(request, limit, empty={})
         if not isinstance(body, dict):
             raise ProxyError(400, "invalid_request", "expected a JSON object")
         sampling, metadata = body.get("sampling") or {}, body.get("metadata") or {}
@@ -265,8 +201,6 @@ def _management_router(service: ProxyService) -> APIRouter:
 
 def anthropic_face(app: FastAPI, service: ProxyService) -> None:
     """Mount the Anthropic face (``anthropic_api.make_router``) with Anthropic's error shape."""
-    from gyre_core.proxy import anthropic_api
-
     app.include_router(anthropic_api.make_router(service, max_body_bytes=service.config.max_body_bytes))
 
     def render(err: ProxyError) -> Response:
@@ -276,17 +210,8 @@ def anthropic_face(app: FastAPI, service: ProxyService) -> None:
 
 
 def default_faces() -> list[Face]:
-    from gyre_core.proxy.openai_api import openai_face
-
-    faces: list[Face] = [openai_face]
-    try:
-        from gyre_core.proxy import anthropic_api
-
-        if hasattr(anthropic_api, "make_router"):
-            faces.append(anthropic_face)
-    except ImportError:  # pragma: no cover - the Anthropic face ships in the same package
-        pass
-    return faces
+    """OpenAI's and Anthropic's faces."""
+    return [openai_face, anthropic_face]
 
 
 def build_app(service: ProxyService, *, admin_token: str, faces: Iterable[Face] | None = None) -> FastAPI:
@@ -300,24 +225,20 @@ def build_app(service: ProxyService, *, admin_token: str, faces: Iterable[Face] 
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> Response:
-        return _render_error(request, exc)
+        return render_error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _render_error(request, ProxyError(exc.status_code, _kind_for_status(exc.status_code), str(exc.detail)))
+        return render_error(request, ProxyError(exc.status_code, _kind_for_status(exc.status_code), str(exc.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return _render_error(request, ProxyError(400, "invalid_request", "malformed request"))
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(request: Request, exc: json.JSONDecodeError) -> Response:
-        return _render_error(request, ProxyError(400, "invalid_request", f"malformed JSON body: {exc}"))
+        return render_error(request, ProxyError(400, "invalid_request", "malformed request"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:  # a bug: never leak a traceback
         log.exception("proxy: internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return _render_error(request, ProxyError(500, "internal", "internal proxy error"))
+        return render_error(request, ProxyError(500, "internal", "internal proxy error"))
 
     app.include_router(_management_router(service))
     for face in default_faces() if faces is None else faces:

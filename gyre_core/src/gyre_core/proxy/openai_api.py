@@ -15,19 +15,23 @@ import time
 from typing import Any, AsyncIterator, Mapping
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from gyre_core.proxy.app import (
-    api_key_of, headers_of, openai_error, openai_error_body, read_json, register_error_renderer,
+from gyre_core.proxy.http_layer import (
+    api_key_of, check_headers, check_max_tokens, event_stream, openai_error_body, read_json,
+    register_error_renderer, until_done_or_gone, with_pings,
 )
-from gyre_core.proxy.http_io import until_done_or_gone
 from gyre_core.proxy.service import ProxyService
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall, recordable_headers
 
-__all__ = ["openai_face", "request_from_openai", "response_to_openai"]
+__all__ = ["openai_error", "openai_face", "request_from_openai", "response_to_openai"]
 
 KEEPALIVE_S = 10.0
 _ROLE_ALIASES = {"developer": "system"}
+
+
+def openai_error(err: ProxyError) -> Response:
+    return JSONResponse(openai_error_body(err), status_code=err.status)
 
 
 def _bad(message: str) -> ProxyError:
@@ -108,9 +112,7 @@ def request_from_openai(body: Any, execution_id: str, headers: Mapping[str, str]
     n = body.get("n", 1)
     if n not in (1, None):
         raise _bad("n: only n=1 is supported")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise _bad("max_tokens: expected a positive integer")
+    max_tokens = check_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream: expected a boolean")
@@ -163,8 +165,8 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def _stream(service: ProxyService, request: ChatRequest, include_usage: bool) -> StreamingResponse:
-    prepared = service.prepare(request)  # a 4xx raised here still gets its HTTP status
+async def _stream(service: ProxyService, request: ChatRequest, include_usage: bool) -> Response:
+    prepared = await service.prepare_async(request)  # a 4xx raised here still gets its HTTP status
     created = int(time.time())
     cid = "chatcmpl-" + prepared.call_id
 
@@ -172,36 +174,30 @@ def _stream(service: ProxyService, request: ChatRequest, include_usage: bool) ->
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": request.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
-    async def events() -> AsyncIterator[bytes]:
-        task = asyncio.ensure_future(service.execute(prepared))
-        try:
-            yield _sse(chunk({"role": "assistant", "content": ""}))
-            while not task.done():
-                await asyncio.wait({task}, timeout=KEEPALIVE_S)
-                if not task.done():
-                    yield b": keep-alive\n\n"
-            try:
-                resp = task.result()
-            except ProxyError as err:
-                yield _sse(openai_error_body(err))
-                return
-            if resp.reasoning is not None:
-                yield _sse(chunk({"reasoning_content": resp.reasoning}))
-            if resp.content:
-                yield _sse(chunk({"content": resp.content}))
-            for i, c in enumerate(resp.tool_calls):
-                yield _sse(chunk({"tool_calls": [{"index": i, **_tool_call_json(c)}]}))
-            yield _sse(chunk({}, resp.finish_reason))
-            if include_usage:
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                            "model": request.model, "choices": [], "usage": _usage(resp)})
-            yield b"data: [DONE]\n\n"
-        finally:
-            if not task.done():  # the client went away: abort the engine call, record nothing
-                task.cancel()
+    task = asyncio.ensure_future(service.execute(prepared))
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    async def events() -> AsyncIterator[bytes]:
+        yield _sse(chunk({"role": "assistant", "content": ""}))
+        async for ping in with_pings(task, KEEPALIVE_S, b": keep-alive\n\n"):
+            yield ping
+        try:
+            resp = task.result()
+        except ProxyError as err:
+            yield _sse(openai_error_body(err))
+            return
+        if resp.reasoning is not None:
+            yield _sse(chunk({"reasoning_content": resp.reasoning}))
+        if resp.content:
+            yield _sse(chunk({"content": resp.content}))
+        for i, c in enumerate(resp.tool_calls):
+            yield _sse(chunk({"tool_calls": [{"index": i, **_tool_call_json(c)}]}))
+        yield _sse(chunk({}, resp.finish_reason))
+        if include_usage:
+            yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                        "model": request.model, "choices": [], "usage": _usage(resp)})
+        yield b"data: [DONE]\n\n"
+
+    return event_stream(events, task)
 
 
 def openai_face(app: FastAPI, service: ProxyService) -> None:
@@ -209,13 +205,13 @@ def openai_face(app: FastAPI, service: ProxyService) -> None:
     limit = service.config.max_body_bytes
 
     async def chat_completions(http: Request) -> Response:
-        headers = headers_of(http)
+        headers = check_headers(http)
         execution_id = service.authenticate(api_key_of(headers))
         body = await read_json(http, limit)
         request, include_usage = request_from_openai(body, execution_id, headers)
         if request.stream:
-            return _stream(service, request, include_usage)
-        prepared = service.prepare(request)
+            return await _stream(service, request, include_usage)
+        prepared = await service.prepare_async(request)
         task = asyncio.ensure_future(service.execute(prepared))
         try:
             await until_done_or_gone(http, task)
@@ -224,7 +220,7 @@ def openai_face(app: FastAPI, service: ProxyService) -> None:
         return JSONResponse(response_to_openai(task.result(), int(time.time())))
 
     async def models(http: Request) -> Response:
-        service.authenticate(api_key_of(headers_of(http)))
+        service.authenticate(api_key_of(check_headers(http)))
         return JSONResponse({"object": "list", "data": [
             {"id": m, "object": "model", "created": 0, "owned_by": "gyre"} for m in service.config.served_models
         ]})

@@ -69,7 +69,9 @@ import asyncio
 import hashlib
 import math
 import secrets
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -123,6 +125,8 @@ class _Execution:
     sampling: Mapping[str, Any]
     metadata: Mapping[str, Any]
     closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a call of this execution is prepared (worker thread) or recorded (event loop)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,13 @@ def default_role(leaf: ExecutionLeaf) -> RoleClass:
 
 
 class ProxyService:
-    """The TITO proxy's core. Lives on one asyncio event loop; not thread-safe."""
+    """The TITO proxy's core. Lives on one asyncio event loop.
+
+    The one exception is :meth:`prepare` (rendering and tokenising, O(context)), which
+    :meth:`prepare_async` runs in a single worker thread so a large request never stalls the loop;
+    an execution's records are only read there under that execution's lock, which the loop also
+    holds while it records the execution's calls.
+    """
 
     def __init__(
         self,
@@ -237,6 +247,7 @@ class ProxyService:
         self._stats = {"tail_renders": 0, "root_renders": 0, "full_render_fallbacks": 0,
                        "verified": 0, "verify_mismatches": 0, "verify_other_node": 0,
                        "continuation_fallbacks": 0}
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-prepare")
 
     # -- engines ---------------------------------------------------------------------------------
 
@@ -370,7 +381,11 @@ class ProxyService:
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         """Serve one model call and record it (see the module docstring)."""
-        return await self.execute(self.prepare(request))
+        return await self.execute(await self.prepare_async(request))
+
+    async def prepare_async(self, request: ChatRequest) -> "PreparedCall":
+        """:meth:`prepare` in the proxy's worker thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, request)
 
     def prepare(self, request: ChatRequest) -> "PreparedCall":
         """Everything before the engine call: checks, payload restoration, rendering, matching,
@@ -378,12 +393,13 @@ class ProxyService:
         a streaming face calls it before it sends its response headers."""
         started = time.time()
         ex, eid = self._check(request)
-        rec = ex.records
-        messages = rec.payloads.restore(request.messages)
-        tkey = tools_key(request.tools)
-        match, rest, incremental, full = self._match_and_render(rec, messages, request.tools, tkey)
-        new_ids = self.renderer.encode(match.tail + rest)
-        input_ids = rec.path_ids(match.node_id) + new_ids
+        with ex.lock:
+            rec = ex.records
+            messages = rec.payloads.restore(request.messages)
+            tkey = tools_key(request.tools)
+            match, rest, incremental, full = self._match_and_render(rec, messages, request.tools, tkey)
+            new_ids = self.renderer.encode(match.tail + rest)
+            input_ids = rec.path_ids(match.node_id) + new_ids
         params = self._sampling(ex, request, len(input_ids))
         constrained = any(params.get(k) is not None for k in CONSTRAINT_KEYS)
         return PreparedCall(
@@ -447,7 +463,8 @@ class ProxyService:
         sampled_text = self.renderer.decode(result.output_ids)
         parsed = parse_output(sampled_text, eos_text=self.renderer.eos_text, call_id_prefix=prefix)
         answer = ChatMessage("assistant", parsed.content, parsed.reasoning, parsed.tool_calls)
-        segment, tail = self._continuation(call, answer, sampled_text)
+        with ex.lock:
+            segment, tail = self._continuation(call, answer, sampled_text)
         logprobs_ok = all(math.isfinite(x) for x in result.logprobs)
         trainable = not constrained and logprobs_ok
         finish = result.finish_reason
@@ -486,14 +503,15 @@ class ProxyService:
                           "logprobs_missing": not logprobs_ok},
             )
 
-        rec.add_call(
-            parent=match.node_id, new_input_ids=new_ids, output_ids=result.output_ids, logprobs=result.logprobs,
-            output_provenance=Provenance.SAMPLED if trainable else Provenance.EXTERNAL,
-            segment=segment, tail=tail, node_metadata=node_meta, make_record=make_record,
-            messages=messages + (answer,), tools_key=call.tools_key, match=match,
-        )
-        for c in parsed.tool_calls:
-            rec.payloads.put(c)
+        with ex.lock:
+            rec.add_call(
+                parent=match.node_id, new_input_ids=new_ids, output_ids=result.output_ids, logprobs=result.logprobs,
+                output_provenance=Provenance.SAMPLED if trainable else Provenance.EXTERNAL,
+                segment=segment, tail=tail, node_metadata=node_meta, make_record=make_record,
+                messages=messages + (answer,), tools_key=call.tools_key, match=match,
+            )
+            for c in parsed.tool_calls:
+                rec.payloads.put(c)
         return ChatResponse(
             call_id=call_id, model=request.model, content=parsed.content, reasoning=parsed.reasoning,
             tool_calls=parsed.tool_calls, finish_reason=finish_reason,  # type: ignore[arg-type]
