@@ -1,0 +1,75 @@
+"""The proxy's HTTP surface under hostile input: a bounded hypothesis fuzz over both API faces and
+``/gyre/``, against the real app under uvicorn on loopback (``FakeEngine`` stands in for the engine).
+
+Every request must get an HTTP answer (no dropped connection, no hang), never a 5xx, errors in the
+shape of the API the path belongs to, an execution's key must never open ``/gyre/``, and each
+execution must hold exactly the calls that were answered with its own key. The benchmark-sized run
+is ``benchmarks/proxy_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+pytest.importorskip("transformers")
+pytest.importorskip("uvicorn")
+
+import proxy_fuzz_cases as cases  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    fs = cases.start_server()
+    cases.KEYS.update(fs.keys)
+    yield fs
+    fs.stop()
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(req=cases.hostile_request())
+def test_no_5xx_no_lost_connection_no_crossing_over(server, req) -> None:
+    who, method, path, headers, body = req
+    out = cases.send(server.port, method, path, headers, body)
+    problem = cases.check(server, who, method, path, body, out)
+    assert problem is None, (problem, method, path, {k: v[:60] for k, v in headers.items()}, body[:200])
+
+
+@pytest.mark.parametrize("size_mb", [1, 3])
+def test_an_oversized_body_gets_its_413_even_when_the_client_writes_it_all_first(server, size_mb: int) -> None:
+    """urllib sends the whole body before it reads the answer: the proxy drains, then answers."""
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/chat/completions", data=b"x" * (size_mb << 20),
+                                 headers={"content-type": "application/json", "Authorization": f"Bearer {server.keys['a']}"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 413
+    assert str(cases.BODY_LIMIT) in json.loads(info.value.read())["error"]["message"]
+
+
+def test_health_answers_within_100_ms_while_a_large_request_is_prepared() -> None:
+    fs = cases.start_server(body_limit=32 * 1024 * 1024)
+    try:
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * 800_000}]}).encode()
+        result: dict[str, cases.Outcome] = {}
+        big = threading.Thread(target=lambda: result.update(big=cases.send(
+            fs.port, "POST", "/v1/chat/completions",
+            {"content-type": "application/json", "Authorization": f"Bearer {fs.keys['a']}"}, body, timeout=120)))
+        big.start()
+        time.sleep(0.3)  # the 4 MB request is being read, decoded, rendered and tokenised
+        worst = 0.0
+        while big.is_alive() and worst < 1.0:
+            t0 = time.monotonic()
+            urllib.request.urlopen(f"http://127.0.0.1:{fs.port}/gyre/health", timeout=10).read()
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+        big.join(120)
+        assert result["big"].status is not None and result["big"].status < 500, result["big"]
+        assert worst < 0.1, f"/gyre/health took {worst * 1000:.0f} ms during a {len(body) >> 20} MB request"
+    finally:
+        fs.stop()
