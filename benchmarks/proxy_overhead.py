@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--engine-url", help="a running SGLang server (default: FakeEngine stand-in)")
+    ap.add_argument("--engine-key", help="that server's --api-key")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -55,7 +56,7 @@ def main() -> None:
     if args.engine_url:
         from gyre_sglang.client import SGLangClient
 
-        engine = SGLangClient(args.engine_url)
+        engine = SGLangClient(args.engine_url, api_key=args.engine_key)
     else:
         engine = FakeEngine("fake://bench", default_output=tuple(renderer.encode("fine.<|im_end|>")))
     svc.add_engine(engine)

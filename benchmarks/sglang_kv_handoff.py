@@ -99,7 +99,7 @@ def main() -> None:
         t.join()
 
     async def run() -> list[dict[str, Any]]:
-        async with SGLangClient(servers["A"].url) as ca, SGLangClient(servers["B"].url) as cb:
+        async with servers["A"].client() as ca, servers["B"].client() as cb:
             return [await _point(ca, cb, int(n), i) for i, n in enumerate(a.lengths.split(","))]
 
     try:

@@ -26,10 +26,10 @@ from gyre_sglang.server import SGLangServer
 from gyre_sglang.serving_side import SGLangServingSide
 
 
-async def rounds(url: str, model_dir: str, n_rounds: int, inflight: int) -> dict[str, list[float]]:
-    side = SGLangServingSide(url, cell=1)
+async def rounds(url: str, key: str, model_dir: str, n_rounds: int, inflight: int) -> dict[str, list[float]]:
+    side = SGLangServingSide(url, cell=1, api_key=key)
     out: dict[str, list[float]] = defaultdict(list)
-    async with SGLangClient(url) as c:
+    async with SGLangClient(url, api_key=key) as c:
         for r in range(n_rounds):
             tasks = [asyncio.create_task(c.generate([3 + i, 4, 5], {"max_new_tokens": 2000, "ignore_eos": True},
                                                     rid=f"b{r}-{i}")) for i in range(inflight)]
@@ -55,7 +55,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model")
         with SGLangServer(model, log_path=Path(tmp) / "server.log") as server:
-            got = asyncio.run(rounds(server.url, str(model), a.rounds, a.inflight))
+            got = asyncio.run(rounds(server.url, str(server.api_key), str(model), a.rounds, a.inflight))
     phases = {k: {"median_s": round(statistics.median(v), 4), "max_s": round(max(v), 4)} for k, v in got.items()}
     print(json.dumps({"benchmark": "sglang_role_swap", "engine": "sglang-0.5.23-cpu", "rounds": a.rounds,
                       "inflight_requests": a.inflight, "phases": phases}))

@@ -116,7 +116,7 @@ def engine_load(repeats: int) -> dict[str, Any]:
         try:
             async def run() -> list[float]:
                 times = []
-                async with SGLangClient(server.url) as c:
+                async with server.client() as c:
                     with WeightPublisher("127.0.0.1") as pub:
                         for v in range(1, repeats + 1):
                             ref = pub.publish(v, {k: t * (1 + v / 100) for k, t in base.items()})

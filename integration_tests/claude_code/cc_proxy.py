@@ -98,7 +98,7 @@ class ServedProxy:
         self._thread.join(15)
 
 
-def make_constrained_service(model_dir: Path, engine_url: str, **config: Any) -> Any:
+def make_constrained_service(model_dir: Path, engine_url: str, engine_key: str | None = None, **config: Any) -> Any:
     from gyre_core.proxy.classify import DefaultRoleClassifier
     from gyre_core.proxy.render import ChatRenderer
     from gyre_core.proxy.service import ProxyConfig, ProxyService
@@ -121,13 +121,13 @@ def make_constrained_service(model_dir: Path, engine_url: str, **config: Any) ->
     service = ConstrainedProxyService(
         ChatRenderer.from_model_dir(model_dir), cfg, classify=lambda leaf: classifier.gyre_classify_role(leaf)
     )
-    service.add_engine(SGLangClient(engine_url))
+    service.add_engine(SGLangClient(engine_url, api_key=engine_key))
     return service
 
 
 @pytest.fixture
 def served_proxy(tiny_model_dir: Path, sglang_server: Any) -> Iterator[ServedProxy]:
-    service = make_constrained_service(tiny_model_dir, sglang_server.url)
+    service = make_constrained_service(tiny_model_dir, sglang_server.url, sglang_server.api_key)
     proxy = ServedProxy(service, admin_token=secrets.token_urlsafe(24)).start()
     try:
         yield proxy

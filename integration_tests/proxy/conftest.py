@@ -63,12 +63,11 @@ def proxy_server(sglang_server, tiny_model_dir: Path) -> Iterator[ProxyHandle]:
     from gyre_core.proxy.app import build_app
     from gyre_core.proxy.render import ChatRenderer
     from gyre_core.proxy.service import ProxyConfig, ProxyService
-    from gyre_sglang.client import SGLangClient
 
     renderer = ChatRenderer.from_model_dir(tiny_model_dir)
     service = ProxyService(renderer, ProxyConfig(served_models=(MODEL_NAME,), max_new_tokens=256,
                                                  sampling={"temperature": 1.0, "top_p": 1.0}))
-    engine = SGLangClient(sglang_server.url)
+    engine = sglang_server.client()
     service.add_engine(engine)
     admin = secrets.token_urlsafe(24)
     port = _free_port()

@@ -19,7 +19,7 @@ def run(coro):
 def _client(server):
     from gyre_sglang.client import SGLangClient
 
-    return SGLangClient(server.url, timeout=60)
+    return server.client(timeout=60)
 
 
 def test_plugin_route_is_loaded(sglang_server):

@@ -39,10 +39,10 @@ def test_to_training_releases_and_to_rollout_restores_device_memory(tiny_model_d
         extra_args=["--enable-memory-saver", "--mem-fraction-static", "0.2"],
     )
     try:
-        side = SGLangServingSide(server.url, cell=1)
+        side = SGLangServingSide(server.url, cell=1, api_key=server.api_key)
 
         async def go():
-            async with SGLangClient(server.url) as c:
+            async with server.client() as c:
                 before = await c.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0.0})
                 used_serving = _used_bytes()
                 await side.ato_training(lambda rids: None)

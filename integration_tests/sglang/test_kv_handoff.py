@@ -95,7 +95,7 @@ def test_migrated_request_yields_the_unmoved_tokens_without_recomputing(sglang_s
     prompt = _prompt(1)
 
     async def go():
-        async with SGLangClient(sglang_server.url) as a, SGLangClient(dest_server.url) as b:
+        async with sglang_server.client() as a, dest_server.client() as b:
             before_a, before_b = await _pins(a), await _pins(b)
             task = await _start_and_wait_decoding(a.url, prompt, "kvh-moved")
             res = await hand_off(a, b, "kvh-moved", timeout=30)
@@ -139,7 +139,7 @@ def test_nothing_to_move_falls_back_to_reprefill(sglang_server, dest_server):
     from gyre_sglang.kv_handoff import hand_off
 
     async def go():
-        async with SGLangClient(sglang_server.url) as a, SGLangClient(dest_server.url) as b:
+        async with sglang_server.client() as a, dest_server.client() as b:
             res = await hand_off(a, b, "kvh-no-such-request", timeout=10)
             return res, await _pins(a)
 
@@ -156,7 +156,7 @@ def test_dead_destination_is_a_clear_error_and_leaves_no_pin(sglang_server):
     prompt = _prompt(2)
 
     async def go():
-        async with SGLangClient(sglang_server.url) as a, SGLangClient(f"http://127.0.0.1:{free_port()}") as dead:
+        async with sglang_server.client() as a, SGLangClient(f"http://127.0.0.1:{free_port()}") as dead:
             before = await _pins(a)
             task = asyncio.create_task(a.generate(prompt, dict(GREEDY, max_new_tokens=12), rid="kvh-dead-dest"))
             await asyncio.sleep(0.2)
@@ -181,7 +181,7 @@ def test_killed_destination_leaves_source_blocks_released_after_the_lease(sglang
     prompt = _prompt(3)
 
     async def go():
-        async with SGLangClient(sglang_server.url) as a, SGLangClient(dest_server.url) as b:
+        async with sglang_server.client() as a, dest_server.client() as b:
             before = await _pins(a)
             task = await _start_and_wait_decoding(a.url, prompt, "kvh-orphan", N_ORPHAN)
             pin = await a.post("/gyre/kv/pin", {"rid": "kvh-orphan", "lease_s": lease_s})

@@ -33,7 +33,7 @@ def test_to_training_then_back_to_rollout(swap_server, tiny_model_dir):
     handed: list[list[str]] = []
 
     async def go():
-        async with SGLangClient(swap_server.url) as c:
+        async with swap_server.client() as c:
             rids = [f"swap-{i}" for i in range(3)]
             running = [asyncio.create_task(c.generate([20 + i, 21, 22], LONG, rid=r)) for i, r in enumerate(rids)]
             await asyncio.sleep(1.5)
@@ -73,6 +73,6 @@ def test_protocol_conformance_and_health(sglang_server):
     from gyre_core.interfaces import ServingSide
     from gyre_sglang.serving_side import SGLangServingSide
 
-    side = SGLangServingSide(sglang_server.url, cell=0)
+    side = SGLangServingSide(sglang_server.url, cell=0, api_key=sglang_server.api_key)
     assert isinstance(side, ServingSide)
     assert side.health()

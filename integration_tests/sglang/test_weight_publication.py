@@ -69,10 +69,8 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def _call(url: str, fn: str, *args: Any, **kw: Any) -> Any:
-    from gyre_sglang.client import SGLangClient
-
-    async with SGLangClient(url) as c:
+async def _call(server: Any, fn: str, *args: Any, **kw: Any) -> Any:
+    async with server.client() as c:
         if fn == "load":
             from gyre_sglang.weight_publication import load_published
 
@@ -90,13 +88,13 @@ async def _call(url: str, fn: str, *args: Any, **kw: Any) -> Any:
 
 
 def load(server: Any, ref: WeightsRef) -> str:
-    return run(_call(server.url, "load", ref))
+    return run(_call(server, "load", ref))
 
 
 def state(server: Any) -> tuple[dict[str, str], Any, str]:
     """Everything that must not move when an update fails: hashes, greedy output, version."""
-    return (run(_call(server.url, "checksums")), run(_call(server.url, "generate")),
-            run(_call(server.url, "version")))
+    return (run(_call(server, "checksums")), run(_call(server, "generate")),
+            run(_call(server, "version")))
 
 
 def _hash(t: Any) -> str:
@@ -127,20 +125,20 @@ def perturbed(base: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def test_published_weights_take_effect_and_version_is_reported(server: Any, base_weights: dict, publisher: Any) -> None:
-    assert run(_call(server.url, "checksums")) == expected_checksums(base_weights)
+    assert run(_call(server, "checksums")) == expected_checksums(base_weights)
 
     new = perturbed(base_weights, seed=1)
     ref = publisher.publish(1, new)
     assert load(server, ref) == "1"
     # Every live parameter now holds exactly the published bytes.
-    assert run(_call(server.url, "checksums")) == expected_checksums(new)
-    _, _, version = run(_call(server.url, "generate"))
+    assert run(_call(server, "checksums")) == expected_checksums(new)
+    _, _, version = run(_call(server, "generate"))
     assert version == "1"
 
     # A zero lm_head makes every token exactly uniform: log-prob -ln(vocab) for all of them.
     zero = dict(new, **{"lm_head.weight": torch.zeros_like(new["lm_head.weight"])})
     assert load(server, publisher.publish(2, zero)) == "2"
-    _, logprobs, version = run(_call(server.url, "generate"))
+    _, logprobs, version = run(_call(server, "generate"))
     vocab = zero["lm_head.weight"].shape[0]
     assert version == "2"
     assert all(abs(lp + math.log(vocab)) < 1e-6 for lp in logprobs), logprobs
@@ -149,11 +147,11 @@ def test_published_weights_take_effect_and_version_is_reported(server: Any, base
 
 
 def test_partial_publication_changes_only_its_tensors(server: Any, base_weights: dict, publisher: Any) -> None:
-    before = run(_call(server.url, "checksums"))
+    before = run(_call(server, "checksums"))
     head = {"lm_head.weight": base_weights["lm_head.weight"] * 2}
     ref = publisher.publish(3, head, partial=True)
     assert load(server, ref) == "3"
-    after = run(_call(server.url, "checksums"))
+    after = run(_call(server, "checksums"))
     assert after["lm_head.weight"] == _hash(head["lm_head.weight"])
     assert {k: v for k, v in after.items() if k != "lm_head.weight"} == \
         {k: v for k, v in before.items() if k != "lm_head.weight"}
@@ -226,7 +224,7 @@ def test_publisher_in_another_process_then_killed(server: Any, base_weights: dic
     proc, ref = _child_publisher(tiny_model_dir, 20, 0.5)
     try:
         assert load(server, ref) == "20"
-        assert run(_call(server.url, "checksums")) == expected_checksums({k: v * 0.5 for k, v in base_weights.items()})
+        assert run(_call(server, "checksums")) == expected_checksums({k: v * 0.5 for k, v in base_weights.items()})
     finally:
         proc.kill()
         proc.wait()

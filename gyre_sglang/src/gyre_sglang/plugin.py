@@ -32,8 +32,8 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> Any:
         return None
     from gyre_sglang.serving_side import SGLangServingSide
 
-    kwargs = {k: options[k] for k in ("on_phase", "weight_loader", "memory_tags", "drain_timeout", "clock")
-              if k in options}
+    kwargs = {k: options[k] for k in ("on_phase", "weight_loader", "memory_tags", "drain_timeout", "clock",
+                                      "api_key") if k in options}
     return SGLangServingSide(str(url), cell=engine, **kwargs)
 
 
@@ -48,6 +48,7 @@ def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
         max_total_tokens=int(options.get("max_total_tokens", 16384)),
         extra_args=list(options.get("extra_args", [])),
         log_path=options.get("log_path"),
+        api_key=options.get("api_key"),
     )
     return server.start(timeout=float(options.get("start_timeout_s", 300.0)))
 
@@ -56,7 +57,7 @@ def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
 def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> Any:
     from gyre_sglang.client import SGLangClient
 
-    return SGLangClient(url, **{k: options[k] for k in ("timeout", "generate_timeout") if k in options})
+    return SGLangClient(url, **{k: options[k] for k in ("timeout", "generate_timeout", "api_key") if k in options})
 
 
 @hookimpl

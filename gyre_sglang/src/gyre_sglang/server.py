@@ -10,6 +10,7 @@ after SIGTERM).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,7 +21,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from gyre_core.procutil import die_with_parent
+
+if TYPE_CHECKING:
+    from gyre_sglang.client import SGLangClient
 
 __all__ = ["SGLangServer", "ServerStartError", "free_port", "patches_dir"]
 
@@ -70,6 +76,10 @@ class SGLangServer:
     ``extra_args`` pass through to SGLang unchanged (any server argument a user would give it).
     On a machine without CUDA the CPU engine is selected and Gyre's CPU patch is applied in every
     server process; ``max_total_tokens`` bounds the KV pool (SGLang otherwise reserves ~15 GB).
+
+    ``api_key`` (default: a fresh random key per server) guards every route but the health
+    probes: SGLang's own ``--api-key`` covers generate and weight updates, and Gyre's plugin checks
+    the same key (``GYRE_ENGINE_KEY``) on its ``/gyre/`` routes. :meth:`client` hands it on.
     """
 
     model_dir: str | Path
@@ -79,7 +89,12 @@ class SGLangServer:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: str | Path | None = None
+    api_key: str | None = None
     proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = secrets.token_urlsafe(24)
 
     @property
     def url(self) -> str:
@@ -91,6 +106,7 @@ class SGLangServer:
             "--model-path", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             "--max-total-tokens", str(self.max_total_tokens),
+            "--api-key", str(self.api_key),
         ]
         if not _cuda_available():
             cmd += ["--device", "cpu"]
@@ -113,6 +129,7 @@ class SGLangServer:
         env = {k: v for k, v in os.environ.items()
                if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
         env["GYRE_SGLANG_PLUGIN"] = "1"
+        env["GYRE_ENGINE_KEY"] = str(self.api_key)
         if not _cuda_available():
             site = patches_dir() / "sglang" / "site"
             env["GYRE_SGLANG_CPU_PATCH"] = str(patches_dir())
@@ -179,6 +196,12 @@ class SGLangServer:
         except OSError:
             return False
         return f"{self.port}" in text and ("address already in use" in text.lower() or "Errno 98" in text)
+
+    def client(self, **kwargs: object) -> "SGLangClient":
+        """An :class:`~gyre_sglang.client.SGLangClient` for this server, holding its key."""
+        from gyre_sglang.client import SGLangClient
+
+        return SGLangClient(self.url, api_key=self.api_key, **kwargs)  # type: ignore[arg-type]
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:

@@ -63,8 +63,10 @@ class SGLangServingSide:
         weight_loader: WeightLoader = load_from_disk,
         memory_tags: Sequence[str] = ("kv_cache", "weights"),
         drain_timeout: float = 30.0,
+        api_key: str | None = None,
     ) -> None:
         self.url = url
+        self.api_key = api_key
         self.cell = cell
         self.clock = clock
         self.on_phase = on_phase
@@ -74,7 +76,7 @@ class SGLangServingSide:
         self.weight_version: str | None = None
 
     def _client(self) -> SGLangClient:
-        return SGLangClient(self.url)
+        return SGLangClient(self.url, api_key=self.api_key)
 
     async def _phase(self, out: list[PhaseTiming], transition: str, name: str, work: Awaitable[object]) -> object:
         start = self.clock()

@@ -249,8 +249,11 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     model_dir = _serving_dir(start_weights, tok_dir)
 
     say(f"starting {k} SGLang engine(s) on {model_dir}")
+    import secrets
+
+    engine_key = secrets.token_urlsafe(24)  # per run: every engine route but health needs it
     opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
-            "start_timeout_s": cfg.serving.start_timeout_s}
+            "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key}
 
     started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
                                                        {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
@@ -264,12 +267,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
     cells = []
     for i, e in enumerate(started):
-        service.add_engine(pm.hook.gyre_make_engine_client(url=e.url, options={}), kind="cell", cell_index=i,
-                           capacity=cfg.scheduler.cell_capacity)
-        serving = pm.hook.gyre_make_serving_side(engine=i, options={"url": e.url})
+        service.add_engine(pm.hook.gyre_make_engine_client(url=e.url, options={"api_key": engine_key}),
+                           kind="cell", cell_index=i, capacity=cfg.scheduler.cell_capacity)
+        serving = pm.hook.gyre_make_serving_side(engine=i, options={"url": e.url, "api_key": engine_key})
         cells.append(CellHandles(i, serving, training[i], e.url))
-    import secrets
-
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"
@@ -368,7 +369,7 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, 
         return proc is not None and proc.poll() is None
 
     return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say,
-                          **dataclasses.asdict(cfg.watchdog))
+                          engine_options={"api_key": opts["api_key"]}, **dataclasses.asdict(cfg.watchdog))
 
 
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from gyre_core.interfaces import EngineError
 
@@ -79,6 +79,7 @@ class EngineWatchdog:
         max_restarts: int = 2,
         initial_version: int = 0,
         progress: Callable[[str], None] | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         if failures < 1 or interval_s <= 0 or health_every_s <= 0 or health_timeout_s <= 0:
             raise ValueError("watchdog: failures ≥ 1 and positive intervals/timeouts are required")
@@ -91,6 +92,8 @@ class EngineWatchdog:
         self.max_restarts = max_restarts
         self.initial_version = initial_version
         self.progress = progress or (lambda msg: None)
+        self.engine_options = dict(engine_options or {})
+        """What a restarted engine's client and serving side need (the run's engine key)."""
         self.restarts: list[EngineRestart] = []
         self.orch: Any = None
         self._ready: list[asyncio.Event] = []
@@ -195,8 +198,8 @@ class EngineWatchdog:
             raise WatchdogGaveUp(f"engine of cell {cell} could not be restarted: {type(e).__name__}: {e}") from e
         new_url = str(engine.url)
         old_slot = orch.proxy.router.slot(old_url)
-        client = orch.pm.hook.gyre_make_engine_client(url=new_url, options={})
-        serving = orch.pm.hook.gyre_make_serving_side(engine=cell, options={"url": new_url})
+        client = orch.pm.hook.gyre_make_engine_client(url=new_url, options=dict(self.engine_options))
+        serving = orch.pm.hook.gyre_make_serving_side(engine=cell, options={**self.engine_options, "url": new_url})
         if client is None or serving is None:
             raise WatchdogGaveUp(f"no plugin makes an engine client / serving side for {new_url}")
         # Bring it to the version the other engines serve; a publication meanwhile skips this cell

@@ -12,6 +12,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 FEATURES = (
+    "gyre_sglang.server_plugin.guard",
     "gyre_sglang.server_plugin.info",
     "gyre_sglang.server_plugin.intake",
     "gyre_sglang.server_plugin.kv_handoff",
