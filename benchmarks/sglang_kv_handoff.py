@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import tempfile
 import threading
 import time
@@ -88,9 +89,11 @@ def main() -> None:
 
         model = str(build_tiny_model(work / "model"))
     servers: dict[str, SGLangServer] = {}
+    key = secrets.token_urlsafe(24)  # one run's engines share one engine key
 
     def start(name: str) -> None:
-        servers[name] = SGLangServer(model, log_path=work / f"{name}.log", max_total_tokens=16384).start(300)
+        servers[name] = SGLangServer(model, log_path=work / f"{name}.log", max_total_tokens=16384,
+                                     api_key=key).start(300)
 
     threads = [threading.Thread(target=start, args=(n,)) for n in ("A", "B")]
     for t in threads:

@@ -29,6 +29,8 @@ class ProxyHandle:
     service: Any
     """The in-process :class:`gyre_core.proxy.service.ProxyService`."""
     engine_url: str
+    engine_headers: dict[str, str]
+    """The engine key's header, for tests that call the engine directly."""
     model: str = MODEL_NAME
 
     def create_execution(self, sampling: Mapping[str, Any] | None = None) -> tuple[int, str]:
@@ -88,7 +90,7 @@ def proxy_server(sglang_server, tiny_model_dir: Path) -> Iterator[ProxyHandle]:
             raise RuntimeError("the proxy did not start")
         time.sleep(0.05)
     try:
-        yield ProxyHandle(f"http://127.0.0.1:{port}", admin, service, sglang_server.url)
+        yield ProxyHandle(f"http://127.0.0.1:{port}", admin, service, sglang_server.url, engine.auth_headers)
     finally:
         server.should_exit = True
         thread.join(timeout=15)

@@ -133,7 +133,7 @@ def test_free_answer_is_recorded_with_the_engines_tokens_and_logprobs(proxy_serv
 
     # The recorded log-probs are the engine's: SGLang recomputes them over prompt + answer.
     full = rec["input_ids"] + rec["output_ids"]
-    r = httpx.post(proxy_server.engine_url + "/generate", timeout=120, json={
+    r = httpx.post(proxy_server.engine_url + "/generate", timeout=120, headers=proxy_server.engine_headers, json={
         "input_ids": full, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_logprob": True, "logprob_start_len": len(rec["input_ids"]) - 1})
     r.raise_for_status()

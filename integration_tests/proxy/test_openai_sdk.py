@@ -104,7 +104,7 @@ def test_records_hold_exactly_what_the_engine_returns(proxy_server, stream: bool
     for r in records:
         assert r["output_provenance"] == "SAMPLED" and not r["constrained"]
         # replay the recorded prompt on the engine, greedy: the same tokens and log-probs come back
-        direct = httpx.post(proxy_server.engine_url + "/generate", timeout=120, json={
+        direct = httpx.post(proxy_server.engine_url + "/generate", timeout=120, headers=proxy_server.engine_headers, json={
             "input_ids": r["input_ids"], "return_logprob": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": len(r["output_ids"])}}).json()
         assert direct["output_ids"] == r["output_ids"]

@@ -17,8 +17,6 @@ def run(coro):
 
 
 def _client(server):
-    from gyre_sglang.client import SGLangClient
-
     return server.client(timeout=60)
 
 

@@ -37,8 +37,10 @@ def _prompt(seed: int, n: int = 40) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def dest_server(tiny_model_dir, tmp_path_factory):
-    server = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("kv-handoff-logs"), "kv-dest")
+def dest_server(tiny_model_dir, tmp_path_factory, sglang_server):
+    # one run's engines share its engine key: the destination acknowledges to the source with it
+    server = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("kv-handoff-logs"), "kv-dest",
+                                 api_key=sglang_server.api_key)
     yield server
     server.stop()
 
@@ -51,8 +53,8 @@ def _source_pins(state: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in state["pins"] if p["kind"] == "source"]
 
 
-async def _start_and_wait_decoding(url: str, prompt: list[int], rid: str, max_new_tokens: int = N) -> asyncio.Task:
-    """Stream a greedy request from ``url``; return once it has produced MOVE_AFTER tokens.
+async def _start_and_wait_decoding(client: Any, prompt: list[int], rid: str, max_new_tokens: int = N) -> asyncio.Task:
+    """Stream a greedy request from ``client``'s server; return once it has produced MOVE_AFTER tokens.
 
     The task's result is the final answer (a ``GenerateResult``), partial when aborted. Streaming
     is how the test knows the request is mid-generation, whatever the machine's speed.
@@ -69,8 +71,8 @@ async def _start_and_wait_decoding(url: str, prompt: list[int], rid: str, max_ne
         body = {"input_ids": prompt, "sampling_params": dict(GREEDY, max_new_tokens=max_new_tokens), "rid": rid,
                 "stream": True}
         last = None
-        async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/generate", json=body) as r:
+        async with aiohttp.ClientSession(headers=client.auth_headers) as http:
+            async with http.post(client.url + "/generate", json=body) as r:
                 assert r.status == 200, await r.text()
                 async for raw in r.content:
                     line = raw.decode().strip()
@@ -97,7 +99,7 @@ def test_migrated_request_yields_the_unmoved_tokens_without_recomputing(sglang_s
     async def go():
         async with sglang_server.client() as a, dest_server.client() as b:
             before_a, before_b = await _pins(a), await _pins(b)
-            task = await _start_and_wait_decoding(a.url, prompt, "kvh-moved")
+            task = await _start_and_wait_decoding(a, prompt, "kvh-moved")
             res = await hand_off(a, b, "kvh-moved", timeout=30)
             partial = await task
             prefix = prompt + list(partial.output_ids)
@@ -183,7 +185,7 @@ def test_killed_destination_leaves_source_blocks_released_after_the_lease(sglang
     async def go():
         async with sglang_server.client() as a, dest_server.client() as b:
             before = await _pins(a)
-            task = await _start_and_wait_decoding(a.url, prompt, "kvh-orphan", N_ORPHAN)
+            task = await _start_and_wait_decoding(a, prompt, "kvh-orphan", N_ORPHAN)
             pin = await a.post("/gyre/kv/pin", {"rid": "kvh-orphan", "lease_s": lease_s})
             await a.abort_request("kvh-orphan")
             partial = await task

@@ -96,6 +96,11 @@ class SGLangClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The engine key's header, for callers that speak to the server with their own client."""
+        return dict(self._headers)
+
     # -- plumbing -------------------------------------------------------------------------------
 
     def _http(self) -> aiohttp.ClientSession:

@@ -21,12 +21,12 @@ Interface for the HTTP faces (``openai_api``, ``anthropic_api``) and the orchest
     execution_id: str = service.authenticate(api_key)    # ProxyError(401) for an unknown/closed key
     response: ChatResponse = await service.complete(ChatRequest(execution_id=..., ...))
     # or, when streaming (so a 4xx still gets its HTTP status before the stream starts):
-    prepared = service.prepare(request)                  # sync; ProxyError 4xx, nothing recorded
+    prepared = await service.prepare_async(request)      # worker thread; ProxyError 4xx, nothing recorded
     response = await service.execute(prepared)
 
     # the HTTP app (``app.build_app``) mounts faces: callables ``face(app, service)`` that add
-    # routes and register their error renderer for their path prefix (``register_error_renderer``);
-    # ``read_json(request, service)``, ``api_key_of(request)``, ``headers_of(request)`` help them.
+    # routes and register their error renderer for their path prefix; everything on the wire
+    # (limits, credentials, JSON checks, error shapes, SSE) is ``http_layer``'s.
 
 ``complete`` raises :class:`ProxyError` for anything the caller did wrong (4xx, nothing recorded)
 and for engine failures it could not hide (5xx, nothing recorded). A face renders ``ProxyError``

@@ -584,7 +584,10 @@ async def _ack_source(source_url: str, handle: str, timeout: float) -> tuple[boo
 
     try:
         t = aiohttp.ClientTimeout(total=timeout)
-        async with aiohttp.ClientSession(timeout=t) as http:
+        # engines of one run share the run's engine key (see gyre_sglang.server_plugin.guard)
+        key = os.environ.get("GYRE_ENGINE_KEY", "")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession(timeout=t, headers=headers) as http:
             async with http.post(source_url.rstrip("/") + "/gyre/kv/release", json={"handle": handle}) as r:
                 return r.status == 200, "" if r.status == 200 else f"HTTP {r.status}: {await r.text()}"
     except Exception as exc:  # the source may be gone; its lease frees the pin then
