@@ -18,14 +18,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from gyre_core.proxy.anthropic_api import (
-    credentials,
-    encode_sse,
-    message_events,
-    parse_body,
-    response_message,
-    to_chat_request,
-)
+from gyre_core.proxy.anthropic_api import encode_sse, message_events, response_message, to_chat_request
+from gyre_core.proxy.http_layer import api_key_of, decode_json
 from gyre_core.proxy.types import ChatResponse, ProxyError, ToolCall, Usage
 
 FIXTURE = Path(__file__).resolve().parents[1] / "integration_tests/claude_code/fixtures/claude_code_2.1.197_requests.json"
@@ -154,22 +148,27 @@ def test_request_errors() -> None:
          "input: must be an object")
 
 
-def test_parse_body_and_credentials() -> None:
-    assert parse_body(b'{"a": 1}', "application/json; charset=utf-8") == {"a": 1}
-    for raw, ctype, kind in [
-        (b"{", "application/json", "invalid_request"),
-        (b"[1]", "application/json", "invalid_request"),
-        (b"\xff", None, "invalid_request"),
-        (b"{}", "text/plain", "invalid_request"),
-        (b"{}" + b" " * 100, "application/json", "request_too_large"),
+def test_body_decoding_and_credentials_of_the_shared_layer() -> None:
+    assert decode_json(b'{"a": 1}') == {"a": 1}
+    for raw, needle in [
+        (b"{", "not valid JSON"),
+        (b"\xff", "not valid UTF-8"),
+        (b'{"a": NaN}', "NaN is not a JSON number"),
+        (b'{"a": "\\ud800"}', "lone surrogate"),
+        (b"[" * 70 + b"]" * 70, "nested deeper than 64"),
     ]:
+        with pytest.raises(ProxyError, match=needle) as info:
+            decode_json(raw)
+        assert info.value.status == 400 and info.value.kind == "invalid_request"
+    assert api_key_of({"x-api-key": " k "}) == "k"
+    assert api_key_of({"authorization": "Bearer t"}) == "t"
+    assert api_key_of({"authorization": "Basic t"}) is None
+    assert api_key_of({}) is None
+    assert api_key_of({"x-api-key": "b", "authorization": "Bearer a"}) == "b"
+    for bad in ("k" * 513, "ké"):
         with pytest.raises(ProxyError) as info:
-            parse_body(raw, ctype, max_bytes=50)
-        assert info.value.kind == kind
-    assert credentials({"x-api-key": " k "}) == "k"
-    assert credentials({"authorization": "Bearer t"}) == "t"
-    assert credentials({"authorization": "Basic t"}) is None
-    assert credentials({}) is None
+            api_key_of({"x-api-key": bad})
+        assert info.value.status == 401
 
 
 # ---------------------------------------------------------------------------------------------

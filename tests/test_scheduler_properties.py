@@ -77,7 +77,7 @@ class World:
         try:
             out = self.s.handle(event, self.now)
         except NoProgress as e:  # a legitimate stop: that many futile groups in a row
-            assert self.s._futile >= self.s.futile_limit, e
+            assert self.s.futile_groups >= self.s.futile_limit, e
             self.stalled = e
             return
         for cmd in out:

@@ -107,10 +107,8 @@ def test_staleness_law_holds_under_filtering_and_d_stays_fixed_in_bursts(mode: s
     assert result.mean_staleness == pytest.approx(cfg.expected_staleness, abs=0.02)
     assert len(result.staleness) == 240 * cfg.groups_per_step
     assert result.starvation_dispatches == 0
-    # d moves only at Start and at each publication: one dispatch mark each, d never rises between
-    marks = result.extra["refills"]
-    assert len(marks) == 1 + sum(1 for _ in range(0, 240, cfg.steps_per_burst)) - (240 % cfg.steps_per_burst == 0)
-    assert result.dispatched == marks[-1][1]
+    # every dispatch happened at Start or at a publication (each leaves a mark with d after it)
+    assert result.dispatched == result.extra["refills"][-1][1]
 
 
 def test_d_never_rises_inside_a_burst_under_filtering() -> None:

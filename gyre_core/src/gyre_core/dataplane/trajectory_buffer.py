@@ -129,8 +129,6 @@ class TrajectoryBuffer:
         """Executions that became surplus when their group filled (each recorded once)."""
         self.dropped: set[int] = set()
         """Groups dropped under ``ShortGroupRule.DROP``."""
-        self.emptied: set[int] = set()
-        """Groups filtered to nothing (fewer valid rewards than the minimum)."""
         self._groups: dict[int, _Group] = {}
         self._member_of: dict[int, int] = {}
         self._gone: set[int] = set()  # taken or dropped groups: late news about them is ignored
@@ -224,8 +222,6 @@ class TrajectoryBuffer:
                 if m is _Member.PENDING:
                     g.members[eid] = _Member.EXCLUDED
             g.empty = cmd.empty
-            if cmd.empty:
-                self.emptied.add(cmd.group_id)
             self._make_ready(cmd.group_id, g)
 
     def drop(self, cmd: GroupDropped) -> None:

@@ -51,7 +51,7 @@ import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Protocol
 
 from gyre_core.proxy.http_layer import (
-    anthropic_error_body, api_key_of, check_headers, check_max_tokens, decode_json, event_stream, read_json,
+    anthropic_error_body, api_key_of, check_headers, check_max_tokens, event_stream, read_json,
     until_done_or_gone, with_pings,
 )
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, ToolCall, recordable_headers
@@ -66,11 +66,9 @@ __all__ = [
     "CompletionService",
     "make_router",
     "STOP_REASONS",
-    "credentials",
     "encode_sse",
     "error_body",
     "message_events",
-    "parse_body",
     "response_message",
     "to_chat_request",
 ]
@@ -90,11 +88,6 @@ _PLACEHOLDER = {"image": "[image omitted: text-only model]", "document": "[docum
 # errors
 
 
-def error_type(kind: str) -> str:
-    """Anthropic's error ``type`` for a :class:`ProxyError` kind (unknown kinds are ``api_error``)."""
-    return str(anthropic_error_body(kind, "")["error"]["type"])
-
-
 error_body = anthropic_error_body
 """The body Anthropic sends with an error (the shared layer's renderer)."""
 
@@ -107,25 +100,10 @@ def _invalid(message: str) -> ProxyError:
 # request: wire -> ChatRequest
 
 
-def parse_body(raw: bytes, content_type: str | None, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """Decode a request body already read: size, content type and JSON checks of the shared layer,
-    and a Messages body must be an object."""
-    if len(raw) > max_bytes:
-        raise ProxyError(413, "request_too_large", f"request body is {len(raw)} bytes; the limit is {max_bytes} bytes")
-    media = (content_type or "").split(";")[0].strip().lower()
-    if media and media != "application/json" and not media.endswith("+json"):
-        raise _invalid(f"content-type must be application/json, got {media!r}")
-    return _object(decode_json(raw))
-
-
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _invalid(f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-credentials = api_key_of
-"""The API key of a request: ``x-api-key``, else a bearer token (Claude Code may use either)."""
 
 
 def _text_of(blocks: Any, where: str, *, allow: frozenset[str] = frozenset({"text"})) -> list[str]:

@@ -159,7 +159,6 @@ class Scheduler:
         self._supply_since: float | None = None
         self._started = False
         # groups in a row that ended with nothing to train, and why their executions were excluded
-        self._futile = 0
         self._futile_kinds: Counter[str] = Counter()
         self._exclusions: Counter[str] = Counter()
         self.futile_limit = max(2 * config.queue_depth_groups, 2 * config.groups_per_step, 8)
@@ -456,7 +455,6 @@ class Scheduler:
         if g.empty:
             self._note_futile("empty")
         else:
-            self._futile = 0
             self._futile_kinds.clear()
             self._exclusions.clear()
         g.state = GroupState.READY
@@ -488,15 +486,19 @@ class Scheduler:
         out.append(ev.GroupFiltered(g.group_id, g.valid, g.empty))
         self._group_ready(g, out)
 
+    @property
+    def futile_groups(self) -> int:
+        """Groups in a row that ended with nothing to train (empty, dropped or topped up)."""
+        return sum(self._futile_kinds.values())
+
     def _note_futile(self, kind: str) -> None:
-        self._futile += 1
         self._futile_kinds[kind] += 1
-        if self._futile < self.futile_limit:
+        if self.futile_groups < self.futile_limit:
             return
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self._futile_kinds.items()))
         causes = ", ".join(f"{n} {k}" for k, n in self._exclusions.most_common()) or "none recorded"
         raise NoProgress(
-            f"no progress: the last {self._futile} groups ended with nothing to train ({kinds}; "
+            f"no progress: the last {self.futile_groups} groups ended with nothing to train ({kinds}; "
             f"a group needs {self.cfg.min_valid} valid rewards under the {self.cfg.short_group.value} "
             f"rule, {self.cfg.group_size} otherwise). Their executions were excluded by: {causes}. "
             f"Check the harness's overall budget and the evaluator."
