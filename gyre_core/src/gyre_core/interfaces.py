@@ -32,6 +32,7 @@ __all__ = [
     "TrainingSide",
     "TrajectoryLeaf",
     "Validity",
+    "WeightPublisher",
     "WeightsRef",
 ]
 
@@ -238,8 +239,33 @@ class TrainingSide(Protocol):
 
     def publish_weights(self, version: int) -> WeightsRef:
         """Core only, at the end of a burst: export the weights in the serving layout as policy
-        ``version`` and say where rollout engines can load them from."""
+        ``version`` and say where rollout engines can load them from (files on disk: the
+        fallback transport, ``publication.transport = "disk"``)."""
         ...
+
+    def export_weights(self, version: int) -> Mapping[str, Any]:
+        """Core only: the weights of policy ``version`` in the serving layout, name -> tensor, for
+        a :class:`WeightPublisher` to expose (the default transport: nothing is written)."""
+        ...
+
+
+@runtime_checkable
+class WeightPublisher(Protocol):
+    """Exposes published policy versions to the rollout engines (Mooncake in ``gyre-sglang``).
+
+    The orchestrator owns one per run: it hands each version's tensors in and passes the
+    returned :class:`WeightsRef` to every engine, which pulls and checks it itself. A version
+    stays readable until released, so an engine still loading it is never torn."""
+
+    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> WeightsRef: ...
+
+    def release_older_than(self, version: int) -> None: ...
+
+    def save(self, version: int, path: str) -> None:
+        """Write ``version`` as one safetensors file (the run's final checkpoint)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable

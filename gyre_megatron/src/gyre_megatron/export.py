@@ -108,12 +108,17 @@ def hf_config(spec: Any) -> dict[str, Any]:
     }
 
 
+def gather_serving_tensors(world: Any) -> dict[str, torch.Tensor]:
+    """The core's weights in the serving (HF) layout, gathered from each of its pipeline stages."""
+    parts = world.call(world.ranks_of(0), "export_hf")
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for part in parts for k, v in part.items()}
+
+
 def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
     """Gather the core's stages, write the HF checkpoint of ``version``, return its WeightsRef."""
     from gyre_core.interfaces import WeightsRef
 
-    parts = world.call(world.ranks_of(0), "export_hf")
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for part in parts for k, v in part.items()}
+    tensors = gather_serving_tensors(world)
     out = Path(options.get("publish_dir", "gyre-weights")) / f"v{version}"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"

@@ -24,9 +24,9 @@ import os
 import pickle
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,10 @@ class RankOptions:
     seeded random init). ``spec`` must be :func:`gyre_megatron.hf_import.spec_from_hf_dir`'s."""
     objective: tuple[float, float, float] = (5.0, 0.005, 0.005)
     """GSPO settings for data-plane micro-steps: token weight cap, clip_low, clip_high."""
+    mooncake: Mapping[str, str] = field(default_factory=dict)
+    """Each rank's Mooncake endpoint for satellite joins: ``protocol``, ``device``, ``host``
+    (empty: every rank advertises its own node's address, see
+    :func:`gyre_core.transfer_endpoint.advertised_host`), ``peer`` (the host it must reach)."""
 
 
 class CellRank(RankChecks):
@@ -160,9 +164,13 @@ class CellRank(RankChecks):
     @property
     def transport(self) -> Any:
         if self._transport is None:
+            from gyre_core.transfer_endpoint import MooncakeEndpoint, advertised_host
             from gyre_megatron.transfer import WeightTransport
 
-            self._transport = WeightTransport(self.store)
+            m = self.opts.mooncake
+            host = m.get("host") or advertised_host(m.get("peer") or os.environ.get("MASTER_ADDR"))
+            self._transport = WeightTransport(self.store, MooncakeEndpoint(
+                host, m.get("protocol") or "tcp", m.get("device") or ""))
         return self._transport
 
     def _shape_of(self, item: Any) -> list[tuple[int, ...]]:

@@ -51,6 +51,7 @@ def _world_for(options: Mapping[str, Any]) -> Any:
                 heartbeat_s=float(options.get("heartbeat_s", 0.5)),
                 normalise_by_tokens=bool(options.get("normalise_by_tokens", True)), init_from=init_from,
                 objective=tuple(float(x) for x in options.get("objective", (5.0, 0.005, 0.005))),  # type: ignore[arg-type]
+                mooncake=dict(options.get("mooncake") or {}),
             )
             n_queues = int(options.get("max_steps", 16))
             launcher = str(options.get("launcher", "local"))
@@ -185,3 +186,12 @@ class MegatronTrainingSide:
         from gyre_megatron.export import publish
 
         return publish(self.world, self.options, version)
+
+    def export_weights(self, version: int) -> dict[str, Any]:
+        """The core's weights in the serving layout (for the run's weight publisher); nothing is
+        written. ``version`` names what they are: the core holds exactly that policy now."""
+        if self.cell != 0:
+            raise ValueError("only the core publishes weights")
+        from gyre_megatron.export import gather_serving_tensors
+
+        return gather_serving_tensors(self.world)

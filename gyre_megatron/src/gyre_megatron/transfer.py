@@ -12,12 +12,13 @@ pull. A checksum published with the layout lets the satellite refuse a torn or w
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from gyre_core.transfer_endpoint import MooncakeEndpoint, start_transfer_engine
 
 __all__ = ["Exposure", "WeightTransport", "checksum"]
 
@@ -34,26 +35,26 @@ class Exposure:
 
 
 class WeightTransport:
-    """One Mooncake engine per rank, created lazily (init takes milliseconds)."""
+    """One Mooncake engine per rank, created lazily (init takes milliseconds).
 
-    def __init__(self, store: Any, host: str = "127.0.0.1") -> None:
+    ``endpoint`` is where this rank's engine listens: the address of its own node that the other
+    ranks reach (the core publishes it with its layout; a satellite reads from whatever the core
+    advertised), and the protocol (``tcp``, or ``rdma`` with its devices)."""
+
+    def __init__(self, store: Any, endpoint: MooncakeEndpoint | None = None) -> None:
         self.store = store
-        self.host = host
+        self.endpoint = endpoint or MooncakeEndpoint()
         self._engine: Any = None
         self._registered: set[int] = set()
 
     @property
+    def host(self) -> str:
+        return self.endpoint.host
+
+    @property
     def engine(self) -> Any:
         if self._engine is None:
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.host)
-            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-            from mooncake.engine import TransferEngine
-
-            e = TransferEngine()
-            rc = e.initialize(self.host, "P2PHANDSHAKE", "tcp", "")
-            if rc != 0:
-                raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({rc})")
-            self._engine = e
+            self._engine = start_transfer_engine(self.endpoint)
         return self._engine
 
     def _register(self, t: torch.Tensor) -> tuple[int, int]:

@@ -37,6 +37,30 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> Any:
     return SGLangServingSide(str(url), cell=engine, **kwargs)
 
 
+def _mooncake_env(endpoint: Mapping[str, Any] | None) -> dict[str, str]:
+    """The engine's Mooncake endpoint (weight pulls, KV hand-off) as its environment: the host it
+    advertises (this node's, never assumed), the protocol and the RDMA devices."""
+    if not endpoint:
+        return {}
+    from gyre_core.transfer_endpoint import MooncakeEndpoint, advertised_host
+
+    host = str(endpoint.get("host") or advertised_host(endpoint.get("peer")))
+    return MooncakeEndpoint(host, str(endpoint.get("protocol") or "tcp"), str(endpoint.get("device") or "")).env()
+
+
+@hookimpl
+def gyre_make_weight_publisher(transport: str, options: Mapping[str, Any]) -> Any:
+    """``transport = "mooncake"``: the core's registered buffers, pulled by each engine
+    (:class:`gyre_sglang.weight_publication.WeightPublisher`)."""
+    if transport != "mooncake":
+        return None
+    from gyre_core.transfer_endpoint import MooncakeEndpoint
+    from gyre_sglang.weight_publication import WeightPublisher
+
+    return WeightPublisher(MooncakeEndpoint(str(options.get("host") or "127.0.0.1"),
+                                            str(options.get("protocol") or "tcp"), str(options.get("device") or "")))
+
+
 @hookimpl
 def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
     """Start a real SGLang server (CPU engine and Gyre's CPU patch where CUDA is absent)."""
@@ -49,6 +73,7 @@ def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
         extra_args=list(options.get("extra_args", [])),
         log_path=options.get("log_path"),
         api_key=options.get("api_key"),
+        env=_mooncake_env(options.get("mooncake")),
     )
     return server.start(timeout=float(options.get("start_timeout_s", 300.0)))
 

@@ -38,9 +38,19 @@ WeightLoader = Callable[[SGLangClient, WeightsRef], Awaitable[str]]
 
 
 async def load_from_disk(client: SGLangClient, weights: WeightsRef) -> str:
-    """Default loader: ``location`` is a model directory in the serving layout (safetensors)."""
+    """``location`` is a model directory in the serving layout (safetensors)."""
     await client.update_weights_from_disk(weights.location, weight_version=str(weights.version))
     return await client.weight_version()
+
+
+async def load_any(client: SGLangClient, weights: WeightsRef) -> str:
+    """Default loader: a Mooncake publication (its location is a JSON object) is pulled by the
+    engine (:func:`gyre_sglang.weight_publication.load_published`); anything else is a directory."""
+    if weights.location.lstrip().startswith("{"):
+        from gyre_sglang.weight_publication import load_published
+
+        return await load_published(client, weights)
+    return await load_from_disk(client, weights)
 
 
 class SGLangServingSide:
@@ -48,7 +58,7 @@ class SGLangServingSide:
 
     ``cell`` is the cell index (``-1`` for a standalone engine); ``clock`` gives the times the
     phases are reported with; ``weight_loader`` turns a :class:`WeightsRef` into loaded weights
-    (from disk by default; ``gyre_sglang.weight_publication`` pulls over Mooncake).
+    (:func:`load_any`: pulled over Mooncake when the core published it there, else from disk).
     The async methods are the real implementation; the synchronous protocol methods run them on
     a private event loop for callers outside asyncio.
     """
@@ -60,7 +70,7 @@ class SGLangServingSide:
         cell: int = -1,
         clock: Callable[[], float] = time.monotonic,
         on_phase: Callable[[PhaseTiming], None] | None = None,
-        weight_loader: WeightLoader = load_from_disk,
+        weight_loader: WeightLoader = load_any,
         memory_tags: Sequence[str] = ("kv_cache", "weights"),
         drain_timeout: float = 30.0,
         api_key: str | None = None,

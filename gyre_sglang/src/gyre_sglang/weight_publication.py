@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 from gyre_core.interfaces import EngineError, WeightsRef
+from gyre_core.transfer_endpoint import HOST_ENV, MooncakeEndpoint, start_transfer_engine
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyre_sglang.client import SGLangClient
@@ -83,21 +84,24 @@ class PublicationError(RuntimeError):
     """A publication could not be made, pulled or verified (the engine keeps its old weights)."""
 
 
-def _mooncake_host(host: str | None) -> str:
-    """The address this process's Mooncake engine advertises (loopback unless configured)."""
-    return host or os.environ.get("GYRE_MOONCAKE_HOST") or os.environ.get("MC_TCP_BIND_ADDRESS") or "127.0.0.1"
+def _endpoint(host: str | MooncakeEndpoint | None) -> MooncakeEndpoint:
+    """This process's Mooncake endpoint: as given, or as the environment configures it
+    (:mod:`gyre_core.transfer_endpoint`; loopback and TCP when nothing is set)."""
+    if isinstance(host, MooncakeEndpoint):
+        return host
+    from_env = MooncakeEndpoint.from_env()
+    if host:
+        return MooncakeEndpoint(host, from_env.protocol, from_env.device)
+    if not os.environ.get(HOST_ENV) and os.environ.get("MC_TCP_BIND_ADDRESS"):
+        return MooncakeEndpoint(os.environ["MC_TCP_BIND_ADDRESS"], from_env.protocol, from_env.device)
+    return from_env
 
 
-def _new_engine(host: str) -> Any:
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
-    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise PublicationError(f"Mooncake TransferEngine.initialize({host!r}) failed ({rc})")
-    return engine
+def _new_engine(endpoint: MooncakeEndpoint) -> Any:
+    try:
+        return start_transfer_engine(endpoint)
+    except RuntimeError as e:
+        raise PublicationError(str(e)) from e
 
 
 def _crc32(buf: torch.Tensor, nbytes: int) -> int:
@@ -168,15 +172,16 @@ class _Published:
 class _MooncakeSide:
     """One lazily created Mooncake engine (init takes milliseconds; many processes never need one)."""
 
-    def __init__(self, host: str | None = None) -> None:
-        self.host = _mooncake_host(host)
+    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
+        self.endpoint = _endpoint(host)
+        self.host = self.endpoint.host
         self._engine: Any = None
         self._lock = threading.Lock()
 
     @property
     def engine(self) -> Any:
         if self._engine is None:
-            self._engine = _new_engine(self.host)
+            self._engine = _new_engine(self.endpoint)
         return self._engine
 
 
@@ -188,7 +193,7 @@ class WeightPublisher(_MooncakeSide):
     caller releases a version once every engine reports a newer one.
     """
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
         super().__init__(host)
         self._published: dict[int, _Published] = {}
 
@@ -240,6 +245,19 @@ class WeightPublisher(_MooncakeSide):
     def buffer(self, version: int) -> torch.Tensor:
         """The registered bytes of ``version`` (inspection and fault injection)."""
         return self._published[version].buffer
+
+    def tensors(self, version: int) -> dict[str, torch.Tensor]:
+        """``version``'s tensors by name: views into its registered buffer (no copy)."""
+        p = self._published[version]
+        raw = p.buffer[p.location.manifest_offset:p.location.nbytes].numpy().tobytes()
+        return {e.name: p.buffer[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape)
+                for e in _parse_manifest(raw, p.location)}
+
+    def save(self, version: int, path: str) -> None:
+        """Write ``version`` as one safetensors file (the run's final checkpoint, not a publication)."""
+        from safetensors.torch import save_file
+
+        save_file({k: v.clone() for k, v in self.tensors(version).items()}, path)
 
     def release(self, version: int) -> None:
         """Stop exposing ``version`` (engines that have not pulled it yet will fail cleanly)."""
@@ -314,7 +332,7 @@ def _parse_manifest(raw: bytes, loc: Location) -> list[ManifestEntry]:
 class WeightPuller(_MooncakeSide):
     """Engine side: one Mooncake engine and one registered staging buffer, reused across pulls."""
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
         super().__init__(host)
         self._staging: torch.Tensor | None = None
 

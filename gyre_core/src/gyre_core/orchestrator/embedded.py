@@ -45,7 +45,7 @@ JOURNAL = "journal.jsonl"
 """The run's durable state in ``run.out_dir`` (see :mod:`gyre_core.orchestrator.journal`)."""
 
 RESUME_MAY_CHANGE = ("run.steps", "run.max_wall_s", "run.out_dir", "run.resume", "training.step_timeout_s",
-                     "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.")
+                     "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.")
 """What a resumed run may change (how long and how watched it runs, where it listens): everything
 else shapes what the journal recorded (the scheduler, the task, sampling, the objective, the
 harness, the seed) and must match, unless the resume is forced."""
@@ -222,6 +222,11 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                   # the GSPO objective's W_t already normalise per execution: no division by tokens
                   "normalise_by_tokens": False,
                   "objective": (cfg.training.importance_cap, cfg.training.clip_low, cfg.training.clip_high)}
+    # every Mooncake engine of the run (satellite joins, engine pulls) speaks one protocol; each
+    # advertises its own node's address, found toward the control host on a cluster
+    peer = cfg.cluster.control_host if cfg.cluster.launcher != "local" else ""
+    mooncake = {"protocol": cfg.publication.protocol, "device": cfg.publication.device, "peer": peer}
+    train_opts["mooncake"] = mooncake
     if cfg.model.dir:  # the user's checkpoint: the trainer reads every size from its config.json
         train_opts["init_from"] = str(Path(cfg.model.dir).resolve())
     if cfg.cluster.launcher != "local":
@@ -240,20 +245,27 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     if replay is not None:
         done = {e.step for _, e in replay.events if type(e).__name__ == "MicroStepsDone"}
         ckpt = max((s for s in replay.checkpoints if s in done), default=None)
+        if replay.published:
+            start_weights = await _republished(training[0], replay, out, say)
         if ckpt is not None:
             say(f"resuming: core loads its state after step {ckpt}")
             await asyncio.to_thread(training[0].load_checkpoint, replay.checkpoints[ckpt])
-        if replay.published:
-            v = max(replay.published)
-            start_weights = WeightsRef(v, replay.published[v])
     model_dir = _serving_dir(start_weights, tok_dir)
+    publisher = None
+    if cfg.publication.transport == "mooncake":
+        publisher = pm.hook.gyre_make_weight_publisher(transport="mooncake", options={
+            "host": cfg.publication.host or cfg.cluster.control_host, "protocol": cfg.publication.protocol,
+            "device": cfg.publication.device})
+        if publisher is None:
+            raise ConfigError("publication.transport: no installed plugin publishes over Mooncake "
+                              "(install gyre-sglang, or set publication.transport = \"disk\")")
 
     say(f"starting {k} SGLang engine(s) on {model_dir}")
     import secrets
 
     engine_key = secrets.token_urlsafe(24)  # per run: every engine route but health needs it
     opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
-            "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key}
+            "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key, "mooncake": mooncake}
 
     started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
                                                        {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
@@ -295,7 +307,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         with open(out / "events.jsonl", "a" if replay is not None else "w") as event_log:
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
-                                    event_log=event_log, journal=journal, replay=replay, sandbox=sandbox)
+                                    event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
+                                    publisher=publisher)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
                                              say, cfg, training).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
@@ -325,8 +338,33 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     summary["engine_restarts"] = [dataclasses.asdict(r) for r in orch.watchdog.restarts]
     summary["wall_s"] = round(time.monotonic() - t0, 2)
     summary["status"] = "ok"
-    _write_outputs(out, orch, summary, cfg)
+    try:
+        _write_outputs(out, orch, summary, cfg, model_dir)
+    finally:
+        if publisher is not None:
+            publisher.close()
     return summary
+
+
+async def _republished(core: Any, replay: Replay, out: Path, say: Callable[[str], None]) -> WeightsRef:
+    """The last version the journalled run published, as a model folder engines can start on.
+
+    A disk publication is still there. A Mooncake one lived in the crashed run's memory: the core
+    rebuilds it from its checkpoint of the step before (version v is the policy after step v-1)
+    and writes it once, so the resumed engines serve exactly what the run had published."""
+    v = max(replay.published)
+    if Path(replay.published[v]).is_dir():
+        return WeightsRef(v, replay.published[v])
+    folder = out / "weights" / f"v{v}"
+    if not (folder / "config.json").exists():
+        if v - 1 not in replay.checkpoints:
+            raise RuntimeError(f"resume: policy version {v} was published over Mooncake and the core's "
+                               f"checkpoint after step {v - 1} that would rebuild it is missing")
+        say(f"resuming: rebuilding published policy version {v} from the checkpoint after step {v - 1}")
+        await asyncio.to_thread(core.load_checkpoint, replay.checkpoints[v - 1])
+        ref = await asyncio.to_thread(core.publish_weights, v)
+        folder = Path(ref.location)
+    return WeightsRef(v, str(folder))
 
 
 def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, options: dict[str, Any],
@@ -372,7 +410,8 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, 
                           engine_options={"api_key": opts["api_key"]}, **dataclasses.asdict(cfg.watchdog))
 
 
-def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:
+def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig,
+                   model_dir: Path) -> None:
     from gyre_core.simulator.timeline import write_role_timeline_svg
 
     end = max((i[3] for i in orch.role_intervals), default=0.0)
@@ -386,9 +425,16 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
     ckpt = out / "checkpoint"
     ckpt.mkdir(exist_ok=True)
     src = Path(orch.weights.location) / "model.safetensors"
+    saved = False
     if src.exists():
         shutil.copy2(src, ckpt / "model.safetensors")
         shutil.copy2(Path(orch.weights.location) / "config.json", ckpt / "config.json")
+        saved = True
+    elif orch.publisher is not None and orch.weights.version in getattr(orch.publisher, "versions", ()):
+        orch.publisher.save(orch.weights.version, str(ckpt / "model.safetensors"))  # the Mooncake buffer's bytes
+        shutil.copy2(model_dir / "config.json", ckpt / "config.json")
+        saved = True
+    if saved:
         tok_dir = Path(cfg.model.dir) if cfg.model.dir else out / "tokenizer-src"
         for name in TOKENIZER_FILES:  # a complete model folder: a later run can start from it (model.dir)
             if (tok_dir / name).exists():

@@ -131,6 +131,7 @@ class LiveOrchestrator:
         journal: Journal | None = None,
         replay: Replay | None = None,
         sandbox: Mapping[str, Any] | None = None,
+        publisher: Any = None,
     ) -> None:
         if len(cells) != cfg.scheduler.cells:
             raise ValueError(f"{len(cells)} cells given, scheduler.cells = {cfg.scheduler.cells}")
@@ -141,6 +142,8 @@ class LiveOrchestrator:
         self.sandbox = dict(sandbox) if sandbox else None
         """Each harness's sandbox (:class:`gyre_core.orchestrator.sandbox.SandboxSpec` as a dict), or None."""
         self.pm = pm
+        self.publisher = publisher
+        """The run's :class:`~gyre_core.interfaces.WeightPublisher` (Mooncake), or None: disk files."""
         self.out_dir = Path(out_dir)
         self.weights = weights
         self.clock = clock
@@ -174,6 +177,7 @@ class LiveOrchestrator:
         self._role_since = [(("rollout"), 0.0)] * len(self.cells)
         self.role_switches: list[dict[str, Any]] = []
         self.step_records: list[dict[str, Any]] = []
+        self.publications: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ clock, events, tasks
 
@@ -807,10 +811,20 @@ class LiveOrchestrator:
     def _group_members(self, gid: int) -> list[int]:
         return [e for e, x in self._execs.items() if x.group_id == gid]
 
+    async def _export(self, version: int) -> WeightsRef:
+        """Policy ``version`` where the engines can load it: exposed by the run's publisher (the
+        core's tensors, nothing written), or written to disk by the core when there is none."""
+        core = self.cells[0].training
+        if self.publisher is None:
+            return await self._cell_call(0, core.publish_weights, version)
+        tensors = await self._cell_call(0, core.export_weights, version)
+        return await asyncio.to_thread(self.publisher.publish, version, tensors)
+
     async def _publish(self, version: int) -> None:
-        core = self.cells[0]
-        ref = await self._cell_call(0, core.training.publish_weights, version)
-        self.weights = ref
+        t0 = self.now()
+        ref = await self._export(version)
+        previous, self.weights = self.weights, ref
+        exported = self.now()
         for c in self.cells:
             if self._engine_role[c.index] == "rollout":
                 if self.watchdog is not None and self.watchdog.down(c.index):
@@ -826,6 +840,10 @@ class LiveOrchestrator:
                     if self.watchdog is None or not await self.watchdog.took_over(c.index, url):
                         raise
         self.proxy.policy_version = version
+        if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
+            await asyncio.to_thread(self.publisher.release_older_than, previous.version)
+        self.publications.append({"version": version, "transport": "disk" if self.publisher is None else "mooncake",
+                                  "export_s": round(exported - t0, 4), "load_s": round(self.now() - exported, 4)})
         if self.journal is not None:
             self.journal.write("published", version=version, location=ref.location)
         self.progress(f"published policy version {version}")
@@ -891,5 +909,6 @@ class LiveOrchestrator:
             "grad_norms": [r.get("grad_norm") for r in self.step_records],
             "step_records": self.step_records,
             "role_switches": self.role_switches,
+            "publications": self.publications,
             "executions": self.executions_summary(),
         }

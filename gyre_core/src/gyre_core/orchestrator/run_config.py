@@ -140,6 +140,28 @@ class ClusterSection:
 
 
 @dataclass
+class PublicationSection:
+    """How each published policy version reaches the engines, and how Mooncake peers find each other.
+
+    ``mooncake`` (default): the orchestrator copies the core's weights into one registered buffer
+    per version and every engine pulls it (one-sided reads, CRC and layout checked before any
+    parameter changes); no weight file is written, so nodes need no shared filesystem. ``disk``:
+    each version is written as safetensors under ``<out_dir>/weights/`` and engines load the
+    files (every node must see that folder). ``protocol`` and ``device`` apply to every Mooncake
+    engine of the run: publication, satellite joins and KV hand-off."""
+
+    transport: str = "mooncake"
+    protocol: str = "tcp"
+    """``tcp``, or ``rdma`` on a cluster with RDMA NICs (then name them in ``device``)."""
+    device: str = ""
+    """RDMA devices for Mooncake (e.g. ``mlx5_0,mlx5_1``); empty for TCP."""
+    host: str = ""
+    """Address the engines reach the orchestrator's publication at; empty: ``cluster.control_host``
+    (every other node already reaches it). Ranks and engines advertise their own node's address
+    (``GYRE_MOONCAKE_HOST`` on a node overrides what it would pick)."""
+
+
+@dataclass
 class WatchdogSection:
     """The engine watchdog (:class:`~gyre_core.orchestrator.watchdog.EngineWatchdog`)."""
 
@@ -180,6 +202,7 @@ class RunConfig:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     watchdog: WatchdogSection = field(default_factory=WatchdogSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    publication: PublicationSection = field(default_factory=PublicationSection)
 
     def validate(self) -> "RunConfig":
         def need(cond: bool, where: str, msg: str) -> None:
@@ -240,6 +263,12 @@ class RunConfig:
         need(0 <= self.cluster.control_port < 65536, "cluster.control_port", "must be a TCP port (0: any free one)")
         need(bool(self.cluster.control_host), "cluster.control_host", "must not be empty")
         need(self.cluster.join_timeout_s > 0, "cluster.join_timeout_s", "must be > 0")
+        need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
+             f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
+        need(self.publication.protocol in ("tcp", "rdma"), "publication.protocol",
+             f"unknown Mooncake protocol {self.publication.protocol!r} (expected \"tcp\" or \"rdma\")")
+        need(self.publication.protocol != "rdma" or bool(self.publication.device.strip()), "publication.device",
+             "name the RDMA devices for protocol \"rdma\" (e.g. \"mlx5_0\")")
         w = self.watchdog
         for name in ("interval_s", "health_every_s", "health_timeout_s"):
             need(getattr(w, name) > 0, f"watchdog.{name}", "must be > 0")

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from gyre_core.transfer_endpoint import ADVERTISE_ENV, HOST_ENV
 from gyre_sglang.weight_publication import (
     LOADER,
     REF_TENSOR_NAME,
@@ -119,12 +120,15 @@ def validate_layout(
 def _get_puller() -> WeightPuller:
     global _puller
     if _puller is None:
-        host = os.environ.get("GYRE_MOONCAKE_HOST") or os.environ.get("MC_TCP_BIND_ADDRESS")
-        if not host:
+        # the endpoint the orchestrator gave this engine (gyre_core.transfer_endpoint); an engine
+        # started by hand without one advertises SGLang's own guess of this node's address
+        configured = os.environ.get(HOST_ENV) or os.environ.get(ADVERTISE_ENV) or os.environ.get("MC_TCP_BIND_ADDRESS")
+        if configured:
+            _puller = WeightPuller()
+        else:
             from sglang.srt.utils.network import get_local_ip_auto
 
-            host = get_local_ip_auto()
-        _puller = WeightPuller(host)
+            _puller = WeightPuller(get_local_ip_auto())
     return _puller
 
 

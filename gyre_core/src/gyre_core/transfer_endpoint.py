@@ -1,0 +1,96 @@
+"""Where a process's Mooncake Transfer Engine listens, and over which protocol.
+
+Three kinds of process open a Mooncake engine in a run: the orchestrator (it registers each
+published policy version), every training rank (the core exposes its parameters to satellites that
+join a running step) and every SGLang engine (it pulls published versions, and KV caches on a
+hand-off). A peer reads from the address the owner *advertised*, so on a cluster each process must
+advertise an address of its own node that the others reach -- never a loopback it assumed.
+
+The endpoint travels to child processes as three environment variables (:data:`HOST_ENV`,
+:data:`PROTOCOL_ENV`, :data:`DEVICE_ENV`); :func:`advertised_host` finds a node's address when none
+is configured. Mooncake itself is imported only when an engine is started.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["ADVERTISE_ENV", "DEVICE_ENV", "HOST_ENV", "PROTOCOLS", "PROTOCOL_ENV", "MooncakeEndpoint", "advertised_host",
+           "start_transfer_engine"]
+
+HOST_ENV = "GYRE_MOONCAKE_HOST"
+"""The address this node's Mooncake engines advertise (set it per node where the automatic one is wrong)."""
+PROTOCOL_ENV = "GYRE_MOONCAKE_PROTOCOL"
+DEVICE_ENV = "GYRE_MOONCAKE_DEVICE"
+"""RDMA device list handed to Mooncake (e.g. ``mlx5_0,mlx5_1``); empty for TCP."""
+ADVERTISE_ENV = "GYRE_ADVERTISE_HOST"
+"""This node's address for every service it offers (engine URLs, Mooncake), if set."""
+
+PROTOCOLS = ("tcp", "rdma")
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def advertised_host(peer: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The address of this node that ``peer`` (e.g. the orchestrator's control host) reaches.
+
+    Order: :data:`HOST_ENV`, then :data:`ADVERTISE_ENV`, then -- toward a peer on another host --
+    the local address of the kernel's route to it (a UDP ``connect`` sends nothing), and loopback
+    for a peer on this machine or when no peer is known.
+    """
+    env = os.environ if environ is None else environ
+    for name in (HOST_ENV, ADVERTISE_ENV):
+        if env.get(name):
+            return str(env[name])
+    if not peer or _loopback(peer):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+@dataclass(frozen=True)
+class MooncakeEndpoint:
+    """One process's Mooncake engine: the host it advertises, the protocol and RDMA devices."""
+
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"Mooncake protocol {self.protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        if not self.host:
+            raise ValueError("a Mooncake endpoint needs the host its peers reach")
+
+    @classmethod
+    def from_env(cls, peer: str | None = None, environ: Mapping[str, str] | None = None) -> "MooncakeEndpoint":
+        """This process's endpoint as its parent configured it (see the module docstring)."""
+        env = os.environ if environ is None else environ
+        return cls(advertised_host(peer, env), env.get(PROTOCOL_ENV) or "tcp", env.get(DEVICE_ENV, ""))
+
+    def env(self) -> dict[str, str]:
+        """The variables that give a child process this endpoint (and Mooncake's TCP bind address)."""
+        return {HOST_ENV: self.host, PROTOCOL_ENV: self.protocol, DEVICE_ENV: self.device,
+                "MC_TCP_BIND_ADDRESS": self.host}
+
+
+def start_transfer_engine(endpoint: MooncakeEndpoint) -> Any:
+    """A Mooncake ``TransferEngine`` in peer-to-peer handshake mode, listening on ``endpoint``."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", endpoint.host)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize(endpoint.host, "P2PHANDSHAKE", endpoint.protocol, endpoint.device)
+    if rc != 0:
+        raise RuntimeError(f"Mooncake TransferEngine.initialize({endpoint.host!r}, {endpoint.protocol!r}) failed ({rc})")
+    return engine
