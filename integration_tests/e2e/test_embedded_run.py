@@ -50,6 +50,11 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
         next(s for s in switches if s["transition"] == "to_training")["phases"])
 
     assert (out / "checkpoint" / "model.safetensors").stat().st_size > 0
+    # every version after the start one went over Mooncake: engines pulled it, no weight file written
+    assert [p["version"] for p in summary["publications"]] == [1, 2, 3]
+    assert {p["transport"] for p in summary["publications"]} == {"mooncake"}
+    assert sorted(d.name for d in (out / "weights").iterdir()) == ["v0"]
+    _assert_final_checkpoint_is_the_last_publication(out)
     assert "<svg" in (out / "role_timeline.svg").read_text()
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert sum(1 for e in events if e.get("event") == "MicroStepsDone") == 3
@@ -65,3 +70,16 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
         assert rec["split_executions"] == 0  # every execution's rows fit one pack: exact ratios
     assert summary["grad_norms"] == [r["grad_norm"] for r in summary["step_records"]]
     assert [e["step_done"] for e in events if "step_done" in e] == [0, 1, 2]
+
+
+def _assert_final_checkpoint_is_the_last_publication(out: Path) -> None:
+    """The final checkpoint (written from the Mooncake buffer) loads into transformers' Qwen2 and
+    differs from the start weights: it is the trained policy, not a copy of v0."""
+    import torch
+    from safetensors.torch import load_file
+
+    final = load_file(str(out / "checkpoint" / "model.safetensors"))
+    start = load_file(str(out / "weights" / "v0" / "model.safetensors"))
+    assert final.keys() == start.keys()
+    assert any(not torch.equal(final[k], start[k]) for k in final)
+    assert (out / "checkpoint" / "config.json").exists() and (out / "checkpoint" / "tokenizer.json").exists()

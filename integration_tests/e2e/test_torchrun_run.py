@@ -51,11 +51,15 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     orch = subprocess.Popen(
         [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--json-summary", "--steps", "2",
          "--set", 'cluster.launcher="torchrun"', "--set", f"cluster.control_port={port}",
-         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240"],
+         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240",
+         # three "hosts" on loopback: the orchestrator's publication, node 0, node 1 -- each
+         # Mooncake peer must read from the address its owner advertised, none from an assumed one
+         "--set", 'publication.host="127.0.0.3"'],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "orchestrator.log", "wb"), text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
     )
-    nodes = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key, tmp_path)
+    nodes = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key, tmp_path,
+                                 node_env=[{"GYRE_MOONCAKE_HOST": "127.0.0.2"}, {"GYRE_MOONCAKE_HOST": "127.0.0.4"}])
     try:
         stdout, _ = orch.communicate(timeout=840)
         log = (tmp_path / "orchestrator.log").read_text()
@@ -74,6 +78,16 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"] and ex["trained"] == 2 * 2 * 4
     assert any(s["transition"] == "to_training" for s in summary["role_switches"])
+    # published over Mooncake from 127.0.0.3 and pulled by both nodes' engines: no weight files
+    assert [p["transport"] for p in summary["publications"]] == ["mooncake", "mooncake"]
+    assert sorted(d.name for d in (out / "weights").iterdir()) == ["v0"]
+    journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    sessions = {json.loads(r["location"])["session"].rsplit(":", 1)[0] for r in journal if r.get("kind") == "published"}
+    assert sessions == {"127.0.0.3"}
+    # a satellite that joined read the core's parameters where node 0 advertised them (whether it
+    # joins depends on timing here; integration_tests/megatron/test_torchrun_world.py forces a join)
+    joins = [j for rec in summary["step_records"] for j in rec["joins"]]
+    assert all(j["cell"] == 1 and j["pull_from"].rsplit(":", 1)[0] == "127.0.0.2" for j in joins if j["pull_bytes"])
     # the engines were started by the ranks (their logs are where the orchestrator asked)
     assert (out / "engine0.log").exists() and (out / "engine1.log").exists()
     assert codes == [0, 0]

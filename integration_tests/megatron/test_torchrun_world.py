@@ -33,12 +33,15 @@ def torchrun_sides(tmp_path_factory):
     key_file = tmp / "control.key"
     write_key(key_file)
     port = free_port()
-    procs = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key_file, tmp)
+    # two "nodes" with addresses of their own: the satellite must read the core's parameters
+    # from the address node 0 advertised (127.0.0.2), not from any loopback it would assume
+    procs = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key_file, tmp,
+                                 node_env=[{"GYRE_MOONCAKE_HOST": "127.0.0.2"}, {"GYRE_MOONCAKE_HOST": "127.0.0.4"}])
     pm = plugin_manager()
     opts = {"cells": 2, "pp": 1, "data_timeout_s": 10.0, "side_timeout_s": 10.0, "heartbeat_s": 0.3,
             "max_steps": 4, "publish_dir": str(tmp / "weights"), "step_timeout_s": 120,
             "launcher": "torchrun", "control_host": "127.0.0.1", "control_port": port,
-            "key_file": str(key_file), "join_timeout_s": 180}
+            "key_file": str(key_file), "join_timeout_s": 180, "mooncake": {"protocol": "tcp", "peer": "127.0.0.1"}}
     try:
         s0 = pm.hook.gyre_make_training_side(cell=0, options=opts)
         s1 = pm.hook.gyre_make_training_side(cell=1, options=opts)
@@ -71,6 +74,7 @@ def test_torchrun_ranks_train_a_joined_step(torchrun_sides) -> None:
     s1.close_stream(0)
     (core,), (sat,) = s0.last_step_info, s1.last_step_info
     assert core["m"] == sat["m"] == 2 and sat["joined"]
+    assert sat["pull_bytes"] > 0 and sat["pull_from"].rsplit(":", 1)[0] == "127.0.0.2"
     assert sorted(core["claimed"] + sat["claimed"]) == list(range(8))  # each micro-step exactly once
     params = s0.world.call([0, 1], "params_numpy")
     assert all(np.array_equal(params[0][k], params[1][k]) for k in params[0])

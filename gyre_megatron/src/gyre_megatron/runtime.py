@@ -302,6 +302,7 @@ class CellRank(RankChecks):
                 t0 = time.monotonic()
                 nbytes, _ = self.transport.pull(self._key(step, f"w{self.stage}"), self.params)
                 info["pull_bytes"], info["pull_s"] = nbytes, time.monotonic() - t0
+                info["pull_from"] = self.transport.last_peer
                 self.version = step
         control = self._control(queue_idx)
         if self.rank == self.leader:  # claim ledger: survives this process, read on failure

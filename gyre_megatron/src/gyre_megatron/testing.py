@@ -93,13 +93,15 @@ def free_port() -> int:
 
 
 def start_torchrun_nodes(nodes: int, per_node: int, control: str, key_file: Path, log_dir: Path,
-                         extra_env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
-    """``nodes`` torchrun agents on this machine, as a multi-node job would run them."""
+                         extra_env: dict[str, str] | None = None,
+                         node_env: Sequence[dict[str, str]] = ()) -> list[subprocess.Popen[bytes]]:
+    """``nodes`` torchrun agents on this machine, as a multi-node job would run them
+    (``node_env[i]``: what only node ``i`` sets, e.g. the address it advertises)."""
     master = free_port()
     procs = []
     for node in range(nodes):
         env = {**os.environ, "GYRE_CONTROL": control, "GYRE_CONTROL_KEY_FILE": str(key_file),
-               "OMP_NUM_THREADS": "1", **(extra_env or {})}
+               "OMP_NUM_THREADS": "1", **(extra_env or {}), **(node_env[node] if node < len(node_env) else {})}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
                f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={master}",
                "-m", "gyre_megatron.worker"]

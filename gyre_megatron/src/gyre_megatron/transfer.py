@@ -46,6 +46,8 @@ class WeightTransport:
         self.endpoint = endpoint or MooncakeEndpoint()
         self._engine: Any = None
         self._registered: set[int] = set()
+        self.last_peer = ""
+        """The Mooncake session the last :meth:`pull` read from (the core's advertised address)."""
 
     @property
     def host(self) -> str:
@@ -93,6 +95,7 @@ class WeightTransport:
         )
         if rc != 0:
             raise RuntimeError(f"Mooncake read from {meta['peer']} failed ({rc})")
+        self.last_peer = str(meta["peer"])
         got = checksum(tensors)
         if abs(got - meta["checksum"]) > 1e-9 * max(1.0, abs(meta["checksum"])):
             raise RuntimeError(f"{key}: checksum mismatch after pull ({got} vs {meta['checksum']})")

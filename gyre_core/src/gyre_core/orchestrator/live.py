@@ -109,6 +109,14 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+def _joins(satellites: Sequence[tuple[int, Sequence[Mapping[str, Any]]]]) -> list[dict[str, Any]]:
+    """Per satellite rank that joined the step: where it pulled the core's weights from, how much
+    and how fast (a rank already at the step's version pulls nothing)."""
+    return [{"cell": cell, "stage": i.get("stage", 0), "pull_from": i.get("pull_from"),
+             "pull_bytes": i.get("pull_bytes", 0), "pull_s": round(float(i.get("pull_s", 0.0)), 4)}
+            for cell, infos in satellites for i in infos if i.get("joined")]
+
+
 class LiveOrchestrator:
     """Drive one run. ``cells[0]`` is the core. ``proxy`` is a
     :class:`~gyre_core.proxy.service.ProxyService` serving on ``proxy_url``; ``pm`` the plugin
@@ -796,6 +804,7 @@ class LiveOrchestrator:
                "executions": len(rewards), "cells": sorted(set(st.cells)),
                "duration_s": round(self.now() - st.started, 3), "micro_steps": st.packing.micro_steps,
                "split_executions": st.packing.split_executions,
+               "joins": _joins([(c, getattr(self.cells[c].training, "last_step_info", [])) for c in sorted(set(st.cells)) if c]),
                **training_figures([getattr(self.cells[c].training, "last_step_info", []) for c in sorted(set(st.cells))])}
         self.step_records.append(rec)
         if self.event_log is not None:
