@@ -97,6 +97,13 @@ def test_kill_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path: Path) 
     ends = [r["event"]["execution_id"] for r in after if r["kind"] == "event" and r["event"]["type"] == "ExecutionEnded"]
     assert len(ends) == len(set(ends))
     assert (out / "checkpoint" / "model.safetensors").exists()
+    # the crashed run published over Mooncake (its buffers died with it): the resumed core rebuilt
+    # the last published version from its checkpoint, and the engines started on that
+    published = [json.loads(r["location"]) for r in before if r["kind"] == "published"]
+    if published:
+        v = max(p["version"] for p in published)
+        assert f"rebuilding published policy version {v}" in resumed.stderr
+        assert (out / "weights" / f"v{v}" / "model.safetensors").exists()
 
 
 def test_a_run_killed_again_and_again_resumes_to_its_end(tmp_path: Path) -> None:
