@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from gyre_core.interfaces import WeightsRef
 from gyre_core.config import ConfigError
 from gyre_core.orchestrator.journal import Journal, Replay
-from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator
+from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, StandaloneHandles
 from gyre_core.orchestrator.failure import RunError, cause_lines, write_error_log
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
@@ -270,6 +270,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
                                                        {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
                                      for i in range(k)))
+    standalone_engine = None
+    if cfg.scheduler.standalone_capacity > 0:  # the pool: an engine of its own on this node, never switched
+        standalone_engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model_dir,
+                                                    {**opts, "log_path": str(out / "engine-standalone.log")}, engines)
     say(f"engines ready after {time.monotonic() - t0:.0f} s")
 
     service = ProxyService(ChatRenderer(tokenizer), ProxyConfig(
@@ -283,6 +287,12 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                            kind="cell", cell_index=i, capacity=cfg.scheduler.cell_capacity)
         serving = pm.hook.gyre_make_serving_side(engine=i, options={"url": e.url, "api_key": engine_key})
         cells.append(CellHandles(i, serving, training[i], e.url))
+    standalone = None
+    if standalone_engine is not None:
+        service.add_engine(pm.hook.gyre_make_engine_client(url=standalone_engine.url, options={"api_key": engine_key}),
+                           kind="standalone", capacity=cfg.scheduler.standalone_capacity)
+        standalone = StandaloneHandles(pm.hook.gyre_make_serving_side(
+            engine=-1, options={"url": standalone_engine.url, "api_key": engine_key}), standalone_engine.url)
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"
@@ -308,7 +318,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
-                                    publisher=publisher)
+                                    publisher=publisher, standalone=standalone)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
                                              say, cfg, training).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
@@ -370,8 +380,9 @@ async def _republished(core: Any, replay: Replay, out: Path, say: Callable[[str]
 def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, options: dict[str, Any],
                   engines: list[Any]) -> Any:
     """Start one cell's SGLang server where the cell runs: here, or (cluster launchers) on the
-    cell's node by its first rank. Registered in ``engines`` (stopped at the end of the run)."""
-    if cfg.cluster.launcher == "local":
+    cell's node by its first rank; ``training=None``: the standalone pool's engine, always here.
+    Registered in ``engines`` (stopped at the end of the run)."""
+    if cfg.cluster.launcher == "local" or training is None:
         e = pm.hook.gyre_start_engine(model_dir=str(model_dir), options=options)
         if e is None:
             raise RuntimeError("no serving backend: install gyre-sglang (and SGLang)")

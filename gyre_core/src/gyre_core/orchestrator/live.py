@@ -67,11 +67,22 @@ class CellHandles:
 
 
 @dataclass
+class StandaloneHandles:
+    """The standalone rollout pool (``C_s > 0``): one engine that serves all ``C_s`` slots, is
+    routed to like a cell's and never switches role; it loads every published version."""
+
+    serving: ServingSide
+    engine_url: str
+
+
+@dataclass
 class _Execution:
     group_id: int
     spec: ExecutionSpec | None = None
     handle: Any = None
     engine: int | None = None
+    launched_on: int | None = None
+    """The engine its Launch named (``engine`` follows later reroutes)."""
     launched_at: float = 0.0
     outcome: Outcome | None = None
     reward: float | None = None
@@ -140,9 +151,13 @@ class LiveOrchestrator:
         replay: Replay | None = None,
         sandbox: Mapping[str, Any] | None = None,
         publisher: Any = None,
+        standalone: StandaloneHandles | None = None,
     ) -> None:
         if len(cells) != cfg.scheduler.cells:
             raise ValueError(f"{len(cells)} cells given, scheduler.cells = {cfg.scheduler.cells}")
+        if (standalone is None) != (cfg.scheduler.standalone_capacity == 0):
+            raise ValueError("a standalone engine is needed exactly when scheduler.standalone_capacity > 0")
+        self.standalone = standalone
         self.cfg = cfg
         self.cells = list(cells)
         self.proxy = proxy
@@ -303,7 +318,7 @@ class LiveOrchestrator:
             elif isinstance(cmd, ev.Launch):
                 launched[cmd.execution_id] = cmd
                 ex = self._execs[cmd.execution_id]
-                ex.engine, ex.launched_at, ex.fate = cmd.engine, t, "running"
+                ex.engine, ex.launched_on, ex.launched_at, ex.fate = cmd.engine, cmd.engine, t, "running"
                 self.ledger.register(cmd.execution_id, t + self.cfg.harness.overall_budget_s)
             elif isinstance(cmd, ev.Cancel):
                 self._execs[cmd.execution_id].fate = "cancelled"
@@ -509,6 +524,7 @@ class LiveOrchestrator:
             self._dispatch(cmd)
         elif isinstance(cmd, ev.Launch):
             self._execs[cmd.execution_id].fate = "launching"  # counted launched from now on
+            self._execs[cmd.execution_id].launched_on = cmd.engine
             self._spawn(self._launch(cmd), f"launch of execution {cmd.execution_id}")
         elif isinstance(cmd, ev.Cancel):
             self._cancel(cmd.execution_id)
@@ -556,8 +572,16 @@ class LiveOrchestrator:
 
     def _engine_url(self, engine: int) -> str:
         if engine < 0:
-            raise RunFailed("standalone engines are not configured in this run")
+            if self.standalone is None:
+                raise RunFailed("standalone engines are not configured in this run")
+            return self.standalone.engine_url
         return self.cells[engine].engine_url
+
+    def _reroute_destinations(self) -> list[str]:
+        """Where a cell leaving rollout sends its calls: the standalone pool first, then the
+        cells still in rollout (the scheduler's Reroute commands pin each execution exactly)."""
+        cells = [x.engine_url for x in self.cells if self._engine_role[x.index] == "rollout"]
+        return ([self.standalone.engine_url] if self.standalone is not None else []) + cells
 
     # -- executions -----------------------------------------------------------------------------
 
@@ -747,7 +771,7 @@ class LiveOrchestrator:
             pass  # the scheduler's Reroute commands already moved this engine's executions
 
         # The proxy stops routing here first, so calls aborted below retry on their new engine.
-        self.proxy.reroute(url, [x.engine_url for x in self.cells if self._engine_role[x.index] == "rollout"])
+        self.proxy.reroute(url, self._reroute_destinations())
         phases: list[PhaseTiming] = []
         ato = getattr(c.serving, "ato_training", None)
         if ato is not None:
@@ -848,6 +872,12 @@ class LiveOrchestrator:
                 except Exception:  # an engine that died meanwhile is the watchdog's to restart
                     if self.watchdog is None or not await self.watchdog.took_over(c.index, url):
                         raise
+        if self.standalone is not None:  # the pool never trains: it loads every version as it is published
+            aload = getattr(self.standalone.serving, "aload_weights", None)
+            if aload is not None:
+                await aload(ref)
+            else:
+                await asyncio.to_thread(self.standalone.serving.load_weights, ref)
         self.proxy.policy_version = version
         if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
             await asyncio.to_thread(self.publisher.release_older_than, previous.version)
@@ -889,16 +919,22 @@ class LiveOrchestrator:
                     self._dispatch(cmd)
                 elif isinstance(cmd, ev.Launch):  # counted launched, never started: stopped
                     self._execs[cmd.execution_id].fate = "stopped"
+                    self._execs[cmd.execution_id].launched_on = cmd.engine
         self._blocking.shutdown(wait=False)
 
     # ------------------------------------------------------------------ summary
 
-    def executions_summary(self) -> dict[str, int]:
+    def executions_summary(self) -> dict[str, Any]:
         snap = self.sched.snapshot()
         fates: dict[str, int] = defaultdict(int)
         for ex in self._execs.values():
             fates[ex.fate] += 1
+        launched_on: dict[str, int] = defaultdict(int)
+        for ex in self._execs.values():
+            if ex.launched_on is not None:
+                launched_on["standalone" if ex.launched_on < 0 else f"cell{ex.launched_on}"] += 1
         return {"dispatched": snap.dispatched, "launched": snap.launched, "finished": snap.finished,
+                "launched_on": dict(sorted(launched_on.items())),
                 "trained": fates["trained"], "excluded": fates["excluded"], "dropped": fates["dropped"],
                 "filtered": fates["filtered"],
                 "surplus": fates["surplus"], "cancelled": fates["cancelled"],
