@@ -50,3 +50,8 @@ def test_publication_settings_are_checked_before_anything_runs(key: str, value: 
 def test_mooncake_is_the_default_transport() -> None:
     cfg = load_run_config(None, {})
     assert cfg.publication.transport == "mooncake" and cfg.publication.protocol == "tcp"
+
+
+def test_a_wildcard_control_host_gives_this_nodes_own_address() -> None:
+    host = advertised_host("0.0.0.0", {})
+    assert host and host not in ("0.0.0.0", "")

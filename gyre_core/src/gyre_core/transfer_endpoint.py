@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["ADVERTISE_ENV", "DEVICE_ENV", "HOST_ENV", "PROTOCOLS", "PROTOCOL_ENV", "MooncakeEndpoint", "advertised_host",
+__all__ = ["ADVERTISE_ENV", "DEVICE_ENV", "HOST_ENV", "PROTOCOLS", "PROTOCOL_ENV", "WILDCARDS", "MooncakeEndpoint", "advertised_host",
            "start_transfer_engine"]
 
 HOST_ENV = "GYRE_MOONCAKE_HOST"
@@ -32,8 +32,19 @@ ADVERTISE_ENV = "GYRE_ADVERTISE_HOST"
 PROTOCOLS = ("tcp", "rdma")
 
 
+WILDCARDS = ("0.0.0.0", "::", "")
+"""Bind addresses that mean "every interface": never an address a peer can dial."""
+
+
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _node_address() -> str:
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def advertised_host(peer: str | None = None, environ: Mapping[str, str] | None = None) -> str:
@@ -41,12 +52,15 @@ def advertised_host(peer: str | None = None, environ: Mapping[str, str] | None =
 
     Order: :data:`HOST_ENV`, then :data:`ADVERTISE_ENV`, then -- toward a peer on another host --
     the local address of the kernel's route to it (a UDP ``connect`` sends nothing), and loopback
-    for a peer on this machine or when no peer is known.
+    for a peer on this machine or when no peer is known. A wildcard peer (a control plane bound
+    to every interface) gives this node's own address.
     """
     env = os.environ if environ is None else environ
     for name in (HOST_ENV, ADVERTISE_ENV):
         if env.get(name):
             return str(env[name])
+    if peer is not None and peer in WILDCARDS:
+        return _node_address()
     if not peer or _loopback(peer):
         return "127.0.0.1"
     try:
@@ -54,7 +68,7 @@ def advertised_host(peer: str | None = None, environ: Mapping[str, str] | None =
             s.connect((peer, 9))
             return str(s.getsockname()[0])
     except OSError:
-        return socket.gethostbyname(socket.gethostname())
+        return _node_address()
 
 
 @dataclass(frozen=True)

@@ -164,11 +164,15 @@ class CellRank(RankChecks):
     @property
     def transport(self) -> Any:
         if self._transport is None:
-            from gyre_core.transfer_endpoint import MooncakeEndpoint, advertised_host
+            from gyre_core.transfer_endpoint import WILDCARDS, MooncakeEndpoint, advertised_host
             from gyre_megatron.transfer import WeightTransport
 
             m = self.opts.mooncake
-            host = m.get("host") or advertised_host(m.get("peer") or os.environ.get("MASTER_ADDR"))
+            # the address of this rank's node toward the orchestrator (a wildcard control host
+            # names no peer: then toward the address this rank dialed, or the rendezvous host)
+            peer = m.get("peer") if m.get("peer") not in WILDCARDS else None
+            dialed = os.environ.get("GYRE_CONTROL", "").rpartition(":")[0]
+            host = m.get("host") or advertised_host(peer or dialed or os.environ.get("MASTER_ADDR"))
             self._transport = WeightTransport(self.store, MooncakeEndpoint(
                 host, m.get("protocol") or "tcp", m.get("device") or ""))
         return self._transport

@@ -47,6 +47,10 @@ def _serve_engines(client: ControlClient) -> None:
         try:
             if op == "start":
                 model_dir, options = args
+                mooncake = dict(options.get("mooncake") or {})
+                if mooncake and mooncake.get("peer") in (None, "", "0.0.0.0", "::"):
+                    mooncake["peer"] = client.host  # the engine advertises this node's route to the orchestrator
+                    options = {**options, "mooncake": mooncake}
                 pm = pm or plugin_manager()
                 if options.get("log_path"):
                     os.makedirs(os.path.dirname(str(options["log_path"])) or ".", exist_ok=True)

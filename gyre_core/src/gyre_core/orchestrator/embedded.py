@@ -253,8 +253,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     model_dir = _serving_dir(start_weights, tok_dir)
     publisher = None
     if cfg.publication.transport == "mooncake":
+        from gyre_core.transfer_endpoint import advertised_host
+
         publisher = pm.hook.gyre_make_weight_publisher(transport="mooncake", options={
-            "host": cfg.publication.host or cfg.cluster.control_host, "protocol": cfg.publication.protocol,
+            "host": cfg.publication.host or advertised_host(cfg.cluster.control_host), "protocol": cfg.publication.protocol,
             "device": cfg.publication.device})
         if publisher is None:
             raise ConfigError("publication.transport: no installed plugin publishes over Mooncake "
