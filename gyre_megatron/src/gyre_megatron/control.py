@@ -191,6 +191,8 @@ class ControlClient:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(1.0)
+        self.host = host
+        """The orchestrator's address this rank dialed (a peer every service of this node can route to)."""
         self.rank = rank
         # One proxy, one connection per thread (the stdlib keeps them thread-local): a beat is a
         # message on an open connection, not a new one.
