@@ -491,7 +491,7 @@ class LiveOrchestrator:
         """A resumed cell the scheduler has in training: move the fresh cell there (no event)."""
         c = self.cells[cell]
         self._engine_role[cell] = "training"
-        self.proxy.reroute(c.engine_url, [x.engine_url for x in self.cells if self._engine_role[x.index] == "rollout"])
+        self.proxy.reroute(c.engine_url, self._reroute_destinations())
         ato = getattr(c.serving, "ato_training", None)
         phases = list(await ato(lambda rids: None)) if ato is not None else list(
             await asyncio.to_thread(c.serving.to_training, lambda rids: None))
