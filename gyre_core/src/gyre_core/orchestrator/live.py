@@ -120,6 +120,15 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+async def load_weights_on(serving: Any, ref: WeightsRef) -> None:
+    """Have one serving side load ``ref``: its async method when it has one, else off the loop."""
+    aload = getattr(serving, "aload_weights", None)
+    if aload is not None:
+        await aload(ref)
+    else:
+        await asyncio.to_thread(serving.load_weights, ref)
+
+
 def _joins(satellites: Sequence[tuple[int, Sequence[Mapping[str, Any]]]]) -> list[dict[str, Any]]:
     """Per satellite rank that joined the step: where it pulled the core's weights from, how much
     and how fast (a rank already at the step's version pulls nothing)."""
@@ -863,21 +872,13 @@ class LiveOrchestrator:
                 if self.watchdog is not None and self.watchdog.down(c.index):
                     continue  # being restarted by the watchdog: it comes back on self.weights
                 url = c.engine_url
-                aload = getattr(c.serving, "aload_weights", None)
                 try:
-                    if aload is not None:
-                        await aload(ref)
-                    else:
-                        await asyncio.to_thread(c.serving.load_weights, ref)
+                    await load_weights_on(c.serving, ref)
                 except Exception:  # an engine that died meanwhile is the watchdog's to restart
                     if self.watchdog is None or not await self.watchdog.took_over(c.index, url):
                         raise
         if self.standalone is not None:  # the pool never trains: it loads every version as it is published
-            aload = getattr(self.standalone.serving, "aload_weights", None)
-            if aload is not None:
-                await aload(ref)
-            else:
-                await asyncio.to_thread(self.standalone.serving.load_weights, ref)
+            await load_weights_on(self.standalone.serving, ref)
         self.proxy.policy_version = version
         if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
             await asyncio.to_thread(self.publisher.release_older_than, previous.version)

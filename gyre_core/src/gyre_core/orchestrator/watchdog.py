@@ -207,11 +207,9 @@ class EngineWatchdog:
         version = self.initial_version
         while orch.weights.version != version:
             target = orch.weights
-            aload = getattr(serving, "aload_weights", None)
-            if aload is not None:
-                await aload(target)
-            else:
-                await asyncio.to_thread(serving.load_weights, target)
+            from gyre_core.orchestrator.live import load_weights_on
+
+            await load_weights_on(serving, target)
             version = target.version
         # Register under the new URL (the old slot was taken out of routing by the reroute).
         slot = orch.proxy.router.add_engine(client, kind=old_slot.kind, cell_index=old_slot.cell_index,
