@@ -27,7 +27,7 @@ import asyncio
 import time
 from typing import Awaitable, Callable, Sequence
 
-from gyre_core.interfaces import PhaseTiming, WeightsRef
+from gyre_core.interfaces import EngineError, PhaseTiming, WeightsRef
 
 from gyre_sglang.client import SGLangClient
 
@@ -106,6 +106,23 @@ class SGLangServingSide:
                 return rids
             await asyncio.sleep(0.05)
 
+    async def _flush(self, client: SGLangClient) -> None:
+        """Flush the cache, retrying while SGLang still refuses.
+
+        The tokenizer manager forgets an aborted request before the scheduler has dropped it from
+        its queues, so a flush right after the drain can be refused (HTTP 400) for a few
+        iterations. Retry until ``drain_timeout``; past it, the refusal is the error.
+        """
+        deadline = time.monotonic() + self.drain_timeout
+        while True:
+            try:
+                await client.flush_cache()
+                return
+            except EngineError as exc:
+                if exc.status != 400 or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
     @staticmethod
     async def in_flight(client: SGLangClient) -> list[str]:
         return list((await client.get("/gyre/requests"))["rids"])
@@ -131,7 +148,7 @@ class SGLangServingSide:
                     raise RuntimeError(f"engine {self.url} still runs {len(left)} requests after abort: {left[:5]}")
 
             await self._phase(out, t, "abort", abort())
-            await self._phase(out, t, "flush", c.flush_cache())
+            await self._phase(out, t, "flush", self._flush(c))
             await self._phase(out, t, "release_memory", c.release_memory_occupation(self.memory_tags))  # type: ignore[arg-type]
         return out
 
