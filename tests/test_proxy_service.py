@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from gyre_core.proxy.fake_engine import FakeEngine
+from gyre_core.interfaces import GenerateResult, KVHandOff
+from gyre_core.proxy.fake_engine import FakeEngine, FakeEngineCall
 from gyre_core.proxy.render import ChatRenderer
 from gyre_core.proxy.service import ProxyConfig, ProxyService
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ProxyError, ToolCall
@@ -180,11 +181,99 @@ def test_abort_during_role_change_is_retried_at_the_destination(renderer: ChatRe
         return await task
 
     out = run(go())
-    assert out.content == "fine"
     (rec,) = svc.records(eid).calls
     assert rec.engine == "http://standalone" and rec.attempts == 2
-    assert rec.output_ids == tuple(renderer.encode("fine<|im_end|>"))  # the partial output is gone
-    assert list(standalone.calls[0].input_ids) == list(cell.calls[0].input_ids)
+    fine = tuple(renderer.encode("fine<|im_end|>"))
+    prompt = list(cell.calls[0].input_ids)
+    if mode == "abort":  # continued from the partial output (7, 7) on the destination
+        assert rec.output_ids == (7, 7) + fine and len(rec.logprobs) == len(rec.output_ids)
+        assert list(standalone.calls[0].input_ids) == prompt + [7, 7]
+        assert standalone.calls[0].sampling_params["max_new_tokens"] == cell.calls[0].sampling_params["max_new_tokens"] - 2
+        (node,) = [n for n in svc.records(eid).tree if n.metadata.get("engines")]
+        assert node.metadata["engines"] == ["http://cell-1", "http://standalone"]
+        assert svc.handoffs.summary()["reprefilled"] == 1  # the fake engine offers no KV hand-off
+    else:  # the engine vanished with its partial output: generated again from the prompt
+        assert out.content == "fine"
+        assert rec.output_ids == fine
+        assert list(standalone.calls[0].input_ids) == prompt
+    assert svc.handoffs.interrupted == 1
+
+
+class _HandOffEngineStandIn(FakeEngine):
+    """A ``FakeEngine`` that also offers ``hand_off_kv``: it aborts the running call (as the real
+    hand-off does) and reports the prefix as moved; the real one runs in integration_tests/sglang."""
+
+    handed: list = []
+
+    async def generate(self, input_ids, sampling_params, *, rid=None, return_logprob=True):
+        self.calls.append(FakeEngineCall(rid, tuple(input_ids), dict(sampling_params)))
+        while rid not in self.aborted:
+            await asyncio.sleep(0.01)
+        return GenerateResult(rid or "", (5, 6, 7), (-0.1, -0.2, -0.3), "abort", len(input_ids), 0, self.weight_version)
+
+    async def hand_off_kv(self, rid, dest, *, timeout):
+        self.aborted.append(rid)
+        self.handed.append((rid, dest.url))
+        return KVHandOff(rid, True, prefix_tokens=len(self.calls[-1].input_ids) + 3, bytes=1234)
+
+
+@pytest.mark.parametrize("dest_version", ["fake-0", "fake-1"])
+def test_a_handed_off_call_continues_on_its_destination(renderer: ChatRenderer, dest_version: str) -> None:
+    svc = ProxyService(renderer, ProxyConfig(served_models=("tiny",), retry_wait_s=5.0))
+    src = _HandOffEngineStandIn("http://src")
+    src.handed = []
+    dest = FakeEngine("http://dest", weight_version=dest_version)
+    svc.add_engine(src, kind="cell", cell_index=0, capacity=4)
+    eid, _ = svc.create_execution()
+    svc.router.assign(eid)
+    svc.add_engine(dest, kind="cell", cell_index=1, capacity=4)
+    fine = tuple(renderer.encode("fine<|im_end|>"))
+    dest.script(fine, fine)
+
+    async def go():
+        task = asyncio.ensure_future(svc.complete(req(eid, [ChatMessage("user", "hi")])))
+        while not svc.inflight("http://src"):
+            await asyncio.sleep(0.01)
+        svc.reroute("http://src")
+        outcomes = await svc.hand_off("http://src")
+        return outcomes, await task
+
+    outcomes, out = run(go())
+    (rec,) = svc.records(eid).calls
+    assert [o.moved for o in outcomes] == [True] and src.handed[0][1] == "http://dest"
+    summary = svc.handoffs.summary()
+    if dest_version == "fake-0":  # same policy: the partial and the continuation are one answer
+        assert rec.output_ids == (5, 6, 7) + fine and rec.logprobs[:3] == (-0.1, -0.2, -0.3)
+        assert summary["handed_off"] == 1 and summary["reprefilled"] == 0 and summary["regenerated"] == 0
+        assert len(dest.calls) == 1
+    else:  # the destination serves another version: never spliced, generated again from the prompt
+        assert rec.output_ids == fine and rec.weight_version == "fake-1"
+        assert summary["regenerated"] == 1 and len(dest.calls) == 2
+        assert list(dest.calls[1].input_ids) == list(src.calls[0].input_ids)
+
+
+def test_constrained_calls_are_generated_again_not_continued(renderer: ChatRenderer) -> None:
+    svc = ProxyService(renderer, ProxyConfig(served_models=("tiny",), retry_wait_s=5.0,
+                                             sampling={"temperature": 1.0, "regex": "fine.*"}))
+    cell = FakeEngine("http://cell-1", delay_s=0.05, abort_next=1)
+    other = FakeEngine("http://cell-2")
+    svc.add_engine(cell, kind="cell", cell_index=1, capacity=4)
+    eid, _ = svc.create_execution()
+    svc.router.assign(eid)
+    svc.add_engine(other, kind="cell", cell_index=2, capacity=4)
+    other.script(renderer.encode("fine<|im_end|>"))
+
+    async def go():
+        task = asyncio.ensure_future(svc.complete(req(eid, [ChatMessage("user", "hi")])))
+        await asyncio.sleep(0.02)
+        svc.reroute("http://cell-1")
+        return await task
+
+    run(go())
+    (rec,) = svc.records(eid).calls
+    assert rec.output_ids == tuple(renderer.encode("fine<|im_end|>"))
+    assert list(other.calls[0].input_ids) == list(cell.calls[0].input_ids)
+    assert svc.handoffs.regenerated == 1
 
 
 def test_reroute_order_and_capacity(renderer: ChatRenderer) -> None:

@@ -24,6 +24,8 @@ __all__ = [
     "ExecutionSpec",
     "GenerateResult",
     "HarnessHandle",
+    "KVHandOff",
+    "KVHandOffEngine",
     "PhaseTiming",
     "RoleClass",
     "ServingSide",
@@ -274,10 +276,12 @@ class ServingSide(Protocol):
 
     def to_training(self, hand_off: Callable[[Sequence[str]], None]) -> Sequence[PhaseTiming]:
         """Give the cell's GPUs up for training, in this order: stop accepting new requests;
-        call ``hand_off`` with the ids of the requests still in flight (the orchestrator reserves
-        capacity elsewhere and re-routes them; the proxy retries them there, invisibly to the
-        harness); abort those requests on this engine; flush the cache; release weights and KV
-        cache memory. The engine process stays alive."""
+        call ``hand_off`` with the ids of the requests still in flight (the orchestrator has
+        rerouted their executions; the proxy hands each call's KV cache to its new engine, which
+        aborts it here, and continues it there, invisibly to the harness); abort whatever is
+        still running on this engine; flush the cache; release weights and KV cache memory. The
+        engine process stays alive. An async implementation (``ato_training``) awaits
+        ``hand_off``'s result when it is a coroutine."""
         ...
 
     def to_rollout(self, weights: WeightsRef | None) -> Sequence[PhaseTiming]:
@@ -376,6 +380,35 @@ class EngineClient(Protocol):
     ) -> GenerateResult: ...
 
     async def abort_request(self, rid: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVHandOff:
+    """What moving one running call's KV cache to another engine did.
+
+    ``moved``: the destination now holds ``prefix_tokens`` of the call's prompt + partial output
+    in its cache, so continuing there does not prefill them again. When not moved, ``reason``
+    says why (the continuation then re-prefills; nothing else changes).
+    """
+
+    rid: str
+    moved: bool
+    reason: str = ""
+    prefix_tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@runtime_checkable
+class KVHandOffEngine(EngineClient, Protocol):
+    """An engine that can hand a running call's KV cache to another engine of the same run.
+
+    Optional: the proxy re-prefills on the destination when an engine does not offer it.
+    ``hand_off_kv`` pins ``rid``'s KV, aborts the call (its ``generate`` returns the partial
+    output with ``finish_reason == "abort"``) and has ``dest`` import the KV.
+    """
+
+    async def hand_off_kv(self, rid: str, dest: EngineClient, *, timeout: float) -> KVHandOff: ...
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import aiohttp
 
-from gyre_core.interfaces import EngineError, EngineUnreachable, GenerateResult
+from gyre_core.interfaces import EngineClient, EngineError, EngineUnreachable, GenerateResult, KVHandOff
 
 __all__ = ["SUPPORTED_SGLANG", "PauseMode", "SGLangClient", "UpdateResult"]
 
@@ -194,6 +194,29 @@ class SGLangClient:
 
     async def abort_all(self) -> None:
         await self.post("/abort_request", {"abort_all": True})
+
+    async def hand_off_kv(self, rid: str, dest: EngineClient, *, timeout: float = 30.0) -> KVHandOff:
+        """Gyre's KV hand-off of running call ``rid`` to ``dest`` (see :mod:`gyre_sglang.kv_handoff`).
+
+        Only between engines serving the same weight version: KV computed by another policy is
+        not the destination's KV. A refusal or failure is ``moved=False`` with the reason; the
+        call is then aborted by the caller's drain and continued with a re-prefill.
+        """
+        from gyre_sglang.kv_handoff import HandOffError, hand_off
+
+        if not isinstance(dest, SGLangClient):
+            return KVHandOff(rid, False, f"destination {dest.url} is not an SGLang engine")
+        try:
+            mine, theirs = await asyncio.gather(self.weight_version(), dest.weight_version())
+        except EngineError as e:
+            return KVHandOff(rid, False, f"weight version unknown: {e}")
+        if mine != theirs:
+            return KVHandOff(rid, False, f"weight versions differ ({mine!r} here, {theirs!r} at {dest.url})")
+        try:
+            res = await hand_off(self, dest, rid, timeout=timeout)
+        except HandOffError as e:
+            return KVHandOff(rid, False, str(e))
+        return KVHandOff(rid, not res.fell_back, res.reason, res.prefix_tokens, res.bytes, res.total_s)
 
     # -- serving state --------------------------------------------------------------------------
 

@@ -282,6 +282,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         served_models=(cfg.model.name,),
         sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p},
         max_new_tokens=cfg.sampling.max_new_tokens,
+        kv_handoff=cfg.proxy.kv_handoff,
     ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
     cells = []
     for i, e in enumerate(started):

@@ -776,17 +776,24 @@ class LiveOrchestrator:
         url = c.engine_url
         self._engine_role[cell] = "training"
 
-        def hand_off(rids: Sequence[str]) -> None:
-            pass  # the scheduler's Reroute commands already moved this engine's executions
+        async def hand_off(rids: Sequence[str]) -> None:
+            """The running calls' KV goes to the engines their executions were just rerouted to;
+            each continues there (re-prefilling only when its hand-off could not be done)."""
+            handoff = getattr(self.proxy, "hand_off", None)
+            if handoff is not None:
+                await handoff(url, rids)
 
-        # The proxy stops routing here first, so calls aborted below retry on their new engine.
+        # The proxy stops routing here first, so calls cut short below continue on their new engine.
         self.proxy.reroute(url, self._reroute_destinations())
         phases: list[PhaseTiming] = []
         ato = getattr(c.serving, "ato_training", None)
         if ato is not None:
             phases += await ato(hand_off)
         else:
-            phases += await asyncio.to_thread(c.serving.to_training, hand_off)
+            loop = asyncio.get_running_loop()
+            phases += await asyncio.to_thread(
+                c.serving.to_training,
+                lambda rids: asyncio.run_coroutine_threadsafe(hand_off(rids), loop).result())
         phases += await self._cell_call(cell, c.training.enter_training)
         self._record_phases(cell, "to_training", phases)
         self._set_role(cell, "training")
@@ -957,4 +964,11 @@ class LiveOrchestrator:
             "role_switches": self.role_switches,
             "publications": self.publications,
             "executions": self.executions_summary(),
+            "interrupted_calls": self._interrupted_calls(),
         }
+
+    def _interrupted_calls(self) -> dict[str, Any] | None:
+        """Calls cut short by a role change or a dead engine: continued on the KV they handed
+        off, re-prefilled (and why), or generated again; prefill tokens the hand-offs saved."""
+        handoffs = getattr(self.proxy, "handoffs", None)
+        return handoffs.summary() if handoffs is not None else None

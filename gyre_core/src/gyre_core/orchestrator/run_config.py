@@ -115,6 +115,9 @@ class ServingSection:
 class ProxySection:
     host: str = "127.0.0.1"
     port: int = 0
+    kv_handoff: bool = True
+    """On a role change, hand each running call's KV cache to its execution's new engine and
+    continue the call there (false: the new engine re-prefills the call's context)."""
 
 
 @dataclass

@@ -15,6 +15,8 @@ Interface for the HTTP faces (``openai_api``, ``anthropic_api``) and the orchest
     service.reroute(engine_url, destinations=None) -> RerouteResult
     service.restore_engine(engine_url)
     service.inflight(engine_url) -> list[str]            # engine request ids in flight there
+    await service.hand_off(engine_url) -> list[KVHandOff] # after reroute: running calls' KV to their new engine
+    service.handoffs.summary() -> dict                   # interrupted calls: handed off, re-prefilled, saved
     service.incremental_stats() -> dict                  # tail renders vs full-render fallbacks
 
     # a face, per HTTP request
@@ -41,13 +43,16 @@ Decisions
 ---------
 * Sampling parameters come from Gyre's configuration (global, optionally per execution), never
   from the harness; the harness's ``max_tokens`` may only lower the cap.
-* An execution is pinned to one engine. When the engine aborts the call (``finish_reason ==
-  "abort"``, a role change) or disappears (:class:`EngineUnreachable`), the partial output is
-  discarded -- not recorded, never shown -- and the *same* prompt is generated again on the
-  execution's engine after the reroute. The record therefore holds one complete generation by
-  one engine with one weight version, whose log-probs are all behaviour log-probs of that policy.
-  (Continuing from prompt + partial would splice two engines, possibly two policy versions, into
-  one answer for a saving of at most one partial generation per role change.)
+* An execution is pinned to one engine. When a role change takes the engine out of rollout, the
+  orchestrator reroutes the execution and calls :meth:`ProxyService.hand_off`: the engine hands
+  the running call's KV cache to the execution's new engine and aborts it there, and the call is
+  *continued* on the new engine from prompt + partial output, prefilling only what the KV did not
+  cover (re-prefilling everything when the hand-off could not be done; the reason is counted in
+  :attr:`ProxyService.handoffs`). The record holds the joined generation -- every log-prob a
+  behaviour log-prob of the one weight version both engines served. A call whose sampling depends
+  on the output so far (a grammar constraint, a repetition/frequency/presence penalty), or whose
+  continuation came from another weight version, or whose engine vanished mid-call
+  (:class:`EngineUnreachable`), is generated again from its prompt instead: never spliced.
 * Output generated under a constraint (``regex``, ``json_schema``, ``ebnf``, ``structural_tag`` in
   the sampling config) is recorded with provenance ``EXTERNAL``: its log-probs are those of the
   masked distribution, not behaviour log-probs, so those tokens are never training targets. The
@@ -73,11 +78,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-from gyre_core.interfaces import EngineClient, EngineError, EngineUnreachable, GenerateResult, RoleClass
+from gyre_core.interfaces import (
+    EngineClient,
+    EngineError,
+    EngineUnreachable,
+    GenerateResult,
+    KVHandOff,
+    KVHandOffEngine,
+    RoleClass,
+)
 from gyre_core.proxy.classify import classify_metadata, request_role_metadata
 from gyre_core.proxy.context_index import Match, answer_tail
+from gyre_core.proxy.interruptions import HandOffs, join, may_continue, remaining_params, settle
 from gyre_core.proxy.parse import parse_output
 from gyre_core.proxy.records import CallRecord, ExecutionRecords
 from gyre_core.proxy.render import ChatRenderer, tools_key
@@ -116,6 +130,15 @@ class ProxyConfig:
     engine being restarted by the orchestrator's watchdog while the others train) before it
     fails with 503. With no engine registered at all the 503 is immediate."""
     max_body_bytes: int = 32 * 1024 * 1024
+    continue_interrupted: bool = True
+    """Continue a call its engine aborted (a role change) from its partial output on the
+    execution's new engine, instead of generating it again from the prompt (see
+    :mod:`gyre_core.proxy.interruptions` for when a call may not be continued)."""
+    kv_handoff: bool = True
+    """Hand the running calls' KV cache to their destination on a role change, so the
+    continuation does not prefill the context again (engines that offer it)."""
+    handoff_timeout_s: float = 30.0
+    """Bound on each stage of one KV hand-off (source drain, destination import)."""
 
 
 @dataclass
@@ -248,6 +271,8 @@ class ProxyService:
                        "verified": 0, "verify_mismatches": 0, "verify_other_node": 0,
                        "continuation_fallbacks": 0}
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-prepare")
+        self.handoffs = HandOffs()
+        """Interrupted calls: KV hand-offs, continuations, re-prefills (the run summary's figures)."""
 
     # -- engines ---------------------------------------------------------------------------------
 
@@ -455,7 +480,7 @@ class ProxyService:
         if ex is None or ex.closed:
             raise ProxyError(401, "authentication", "unknown or closed execution")
         rec = ex.records
-        result, engine_url, attempts, engine_s = await self._generate(eid, input_ids, params)
+        result, engine_url, attempts, engine_s, engines = await self._generate(eid, input_ids, params)
         if ex.closed:
             raise ProxyError(401, "authentication", "execution closed while the call ran")
 
@@ -479,6 +504,7 @@ class ProxyService:
             "parent_agent_id": _first_header(request.headers, PARENT_AGENT_HEADERS),
             "headers": headers,
             "engine": engine_url,
+            "engines": engines,
             "weight_version": result.weight_version,
             "policy_version": self.policy_version,
             "constrained": constrained,
@@ -546,13 +572,26 @@ class ProxyService:
 
     async def _generate(
         self, eid: int, input_ids: list[int], params: Mapping[str, Any]
-    ) -> tuple[GenerateResult, str, int, float]:
-        """One complete generation; engine aborts and disappearances are retried invisibly."""
+    ) -> tuple[GenerateResult, str, int, float, list[str]]:
+        """One complete generation; engine aborts and disappearances are retried invisibly.
+
+        An aborted attempt's partial output is carried into the next attempt when the sampling
+        allows it (see :mod:`gyre_core.proxy.interruptions`); the answer lists every engine that
+        generated part of it.
+        """
         cfg = self.config
         attempts = 0
         exclude: frozenset[str] = frozenset()
         t_engine = 0.0
+        continuable = cfg.continue_interrupted and may_continue(params, CONSTRAINT_KEYS)
+        carried: GenerateResult | None = None
+        engines: list[str] = []
+        interrupted: tuple[KVHandOff | None, str] | None = None  # the last cut attempt, not yet counted
         while True:
+            if carried is not None and len(carried.output_ids) >= int(params["max_new_tokens"]):
+                done = GenerateResult(carried.rid, carried.output_ids, carried.logprobs, "length",
+                                      carried.prompt_tokens, carried.cached_tokens, carried.weight_version)
+                return done, engines[-1], attempts, t_engine, engines
             try:
                 slot = self.router.assign(eid, exclude=exclude)
             except NoEngineAvailable:
@@ -568,24 +607,87 @@ class ProxyService:
             self._inflight.setdefault(url, {})[rid] = eid
             unreachable = False
             t0 = time.perf_counter()
+            ids = input_ids + list(carried.output_ids) if carried is not None else input_ids
             try:
-                result = await slot.client.generate(input_ids, params, rid=rid, return_logprob=True)
+                result = await slot.client.generate(ids, remaining_params(params, carried), rid=rid,
+                                                    return_logprob=True)
             except EngineUnreachable:
                 unreachable = True
             except EngineError as exc:
+                self.handoffs.forget(rid)
                 raise ProxyError(502, "engine", f"the rollout engine refused the call: {exc.message}") from None
             except asyncio.CancelledError:
+                self.handoffs.forget(rid)
                 asyncio.ensure_future(self._abort_quietly(slot.client, rid))
                 raise
             finally:
                 t_engine += time.perf_counter() - t0
                 self._inflight.get(url, {}).pop(rid, None)
+            if interrupted is not None and not unreachable:
+                self.handoffs.count_continuation(*interrupted, cached_tokens=result.cached_tokens)
+                interrupted = None
             if not unreachable and result.finish_reason != "abort":
-                return result, url, attempts, t_engine
+                self.handoffs.forget(rid)
+                if carried is not None:
+                    joined = join(carried, result)
+                    if joined is None:  # another policy continued it: generate the call again, whole
+                        self.handoffs.regenerated += 1
+                        carried, engines = None, []
+                        continue
+                    result = joined
+                return result, url, attempts, t_engine, engines + [url]
             if attempts > cfg.max_retries:
+                self.handoffs.forget(rid)
                 raise ProxyError(503, "overloaded", f"the call was interrupted {attempts} times; giving up")
+            self.handoffs.interrupted += 1
+            handoff = await self.handoffs.outcome(rid, timeout=4 * cfg.handoff_timeout_s + 30)
+            if unreachable:
+                interrupted = (handoff, "engine unreachable")
+            elif continuable and result.output_ids:
+                merged = result if carried is None else join(carried, result)
+                if merged is None:
+                    self.handoffs.regenerated += 1
+                    carried, engines = None, []
+                else:
+                    carried = merged
+                    engines.append(url)
+                interrupted = (handoff, "no KV hand-off (the engine aborted the call)")
+            else:
+                if not continuable:
+                    self.handoffs.regenerated += 1
+                interrupted = (handoff, "not continuable (constrained or penalised sampling)" if not continuable
+                               else "no KV hand-off (the engine aborted the call)")
             moved = await self._wait_for_reroute(eid, url)
             exclude = frozenset({url}) if (unreachable and not moved) else frozenset()
+
+    async def hand_off(self, engine_url: str, rids: Sequence[str] | None = None) -> list[KVHandOff]:
+        """Hand the KV of the calls running on ``engine_url`` to their executions' new engines.
+
+        Call after :meth:`reroute` moved the executions and before the engine's requests are
+        aborted: each hand-off aborts its call on the source, and the call continues on its
+        destination from the handed-off KV (a failed hand-off only costs a re-prefill). ``rids``
+        limits it to those requests (default: every call of this proxy running there).
+        """
+        slot = self.router.slot(engine_url)
+        running = dict(self._inflight.get(engine_url, {}))
+        if rids is not None:
+            wanted = set(rids)
+            running = {r: e for r, e in running.items() if r in wanted}
+        mover = slot.client if isinstance(slot.client, KVHandOffEngine) else None
+
+        async def one(rid: str, eid: int) -> KVHandOff:
+            dest = self.router.engine_of(eid)
+            if not self.config.kv_handoff:
+                return KVHandOff(rid, False, "KV hand-off is off")
+            if mover is None:
+                return KVHandOff(rid, False, "the engine offers no KV hand-off")
+            if dest is None or dest == engine_url:
+                return KVHandOff(rid, False, "no destination engine")
+            return await mover.hand_off_kv(rid, self.router.slot(dest).client,
+                                           timeout=self.config.handoff_timeout_s)
+
+        futures = {rid: self.handoffs.start(rid) for rid in running}  # before any await: no call misses its own
+        return list(await asyncio.gather(*(settle(futures[r], one(r, e), r) for r, e in running.items())))
 
     async def _wait_for_engine(self) -> bool:
         """Wait (bounded by ``engine_wait_s``) until some registered engine accepts again."""
