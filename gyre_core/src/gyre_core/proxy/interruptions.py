@@ -19,6 +19,7 @@ its prompt (as a call interrupted by a dead engine is), never spliced.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping, Sequence
 
@@ -59,9 +60,12 @@ def join(carried: GenerateResult, more: GenerateResult) -> GenerateResult | None
 
 
 def _reason_key(reason: str) -> str:
-    """A reason without its particulars (rids, URLs, numbers in parentheses), to count by."""
-    head = reason.split(":", 1)[0].split(" (", 1)[0].strip()
-    return head[:80] or "unknown"
+    """A reason without its particulars (URLs, request ids, handles, numbers), to count by."""
+    key = re.sub(r"https?://\S+", "<url>", reason)
+    key = re.sub(r"'[^']*'", "'…'", key)
+    key = re.sub(r"\b[0-9a-f]{12,}\b", "<id>", key)
+    key = re.sub(r"\d+(\.\d+)?", "N", key)
+    return key.strip()[:200] or "unknown"
 
 
 @dataclass

@@ -159,6 +159,27 @@ def _layout(s: Any) -> dict[str, Any]:
     }
 
 
+def _endpoint(s: Any) -> tuple[str, str | None]:
+    """The host peers reach this engine's KV at, and its RDMA device: the run's Mooncake endpoint
+    when Gyre started the engine (``GYRE_MOONCAKE_*``), else the server's own address. SGLang's
+    shared engine reads its protocol from ``MOONCAKE_PROTOCOL`` (default ``rdma``): set it from
+    the run's, so a TCP run does not look for RDMA devices and an RDMA run uses the configured one."""
+    from gyre_core.transfer_endpoint import HOST_ENV, MooncakeEndpoint
+
+    if os.environ.get(HOST_ENV):
+        ep = MooncakeEndpoint.from_env()
+        os.environ.setdefault("MOONCAKE_PROTOCOL", ep.protocol)
+        if ep.protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+        return ep.host, ep.device or None
+    host = s.server_args.host
+    if host in ("0.0.0.0", "::", "", None):
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        host = get_local_ip_auto()
+    return host, None
+
+
 def _ensure_engine(s: Any) -> Any:
     """SGLang's shared Mooncake engine for this process, with the whole KV pool registered once."""
     if _STATE.engine is not None:
@@ -169,12 +190,9 @@ def _ensure_engine(s: Any) -> Any:
     )
 
     existed = get_mooncake_transfer_engine() is not None
-    host = s.server_args.host
-    if host in ("0.0.0.0", "::", "", None):
-        from sglang.srt.utils.network import get_local_ip_auto
-
-        host = get_local_ip_auto()
-    engine = init_mooncake_transfer_engine(hostname=host, gpu_id=int(getattr(s, "gpu_id", 0) or 0))
+    host, device = _endpoint(s)
+    engine = init_mooncake_transfer_engine(hostname=host, gpu_id=int(getattr(s, "gpu_id", 0) or 0),
+                                           ib_device=device)
     layout = _layout(s)
     for ptr, n in zip(layout["buffers"], layout["buffer_bytes"]):
         try:
@@ -409,6 +427,19 @@ def _address_runs(
     return local, remote, lens
 
 
+TRANSFER_BATCH = 128
+"""Most (local, remote, length) entries per Mooncake batch read. A fragmented KV pool gives one
+entry per run of consecutive slots and buffer (thousands for a long context); Mooncake's TCP
+transport rejects a batch that overfills its lane queue ("TCP lane queue-full rejection") and
+the whole read fails, so a long import is read in batches of this size."""
+
+
+def _batches(local: list[int], remote: list[int], lens: list[int], size: int
+             ) -> list[tuple[list[int], list[int], list[int]]]:
+    """The entries in consecutive batches of at most ``size``."""
+    return [(local[i:i + size], remote[i:i + size], lens[i:i + size]) for i in range(0, len(lens), size)]
+
+
 def _check_compatible(mine: dict[str, Any], desc: dict[str, Any]) -> None:
     for key in ("bytes_per_token", "dtype", "layer_num"):
         if mine[key] != desc.get(key):
@@ -469,7 +500,11 @@ def _op_import_start(s: Any, msg: dict[str, Any]) -> dict[str, Any]:
 
     def transfer() -> int:
         t0 = time.perf_counter()
-        ret = int(engine.engine.batch_transfer_sync_read(session, local, remote, lens))
+        ret = 0
+        for lo, re_, ln in _batches(local, remote, lens, TRANSFER_BATCH):
+            ret = int(engine.engine.batch_transfer_sync_read(session, lo, re_, ln))
+            if ret != 0:
+                break
         imp.transfer_s = time.perf_counter() - t0
         return ret
 
