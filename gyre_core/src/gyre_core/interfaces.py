@@ -397,6 +397,8 @@ class KVHandOff:
     prefix_tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    dest: str = ""
+    """The engine that received the KV (filled in by the proxy)."""
 
 
 @runtime_checkable

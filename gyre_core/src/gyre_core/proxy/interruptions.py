@@ -108,13 +108,17 @@ class HandOffs:
         """The attempt ended by itself: a hand-off started too late moves nothing it continues."""
         self._pending.pop(rid, None)
 
-    def count_continuation(self, handoff: KVHandOff | None, reason: str, cached_tokens: int) -> None:
-        """An interrupted attempt was continued by an attempt that reused ``cached_tokens``."""
+    def count_continuation(self, handoff: KVHandOff | None, reason: str, cached_tokens: int, engine: str) -> None:
+        """An interrupted attempt was continued on ``engine`` by an attempt that reused
+        ``cached_tokens`` of its input."""
         if handoff is not None and handoff.moved:
-            self.handed_off += 1
-            self.prefill_tokens_saved += min(handoff.prefix_tokens, cached_tokens)
             self.handoff_bytes += handoff.bytes
-            return
+            if not handoff.dest or handoff.dest == engine:
+                self.handed_off += 1
+                self.prefill_tokens_saved += min(handoff.prefix_tokens, cached_tokens)
+                return
+            reason = "continued on another engine than the one the KV went to"
+            handoff = None
         self.reprefilled += 1
         key = _reason_key(handoff.reason if handoff is not None and handoff.reason else reason)
         if key not in self.reasons and len(self.reasons) >= 16:

@@ -71,6 +71,7 @@ Decisions
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
 import secrets
@@ -624,7 +625,7 @@ class ProxyService:
                 t_engine += time.perf_counter() - t0
                 self._inflight.get(url, {}).pop(rid, None)
             if interrupted is not None and not unreachable:
-                self.handoffs.count_continuation(*interrupted, cached_tokens=result.cached_tokens)
+                self.handoffs.count_continuation(*interrupted, cached_tokens=result.cached_tokens, engine=url)
                 interrupted = None
             if not unreachable and result.finish_reason != "abort":
                 self.handoffs.forget(rid)
@@ -683,8 +684,8 @@ class ProxyService:
                 return KVHandOff(rid, False, "the engine offers no KV hand-off")
             if dest is None or dest == engine_url:
                 return KVHandOff(rid, False, "no destination engine")
-            return await mover.hand_off_kv(rid, self.router.slot(dest).client,
-                                           timeout=self.config.handoff_timeout_s)
+            out = await mover.hand_off_kv(rid, self.router.slot(dest).client, timeout=self.config.handoff_timeout_s)
+            return dataclasses.replace(out, dest=dest)
 
         futures = {rid: self.handoffs.start(rid) for rid in running}  # before any await: no call misses its own
         return list(await asyncio.gather(*(settle(futures[r], one(r, e), r) for r, e in running.items())))
