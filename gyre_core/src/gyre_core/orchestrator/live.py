@@ -42,8 +42,10 @@ from gyre_core.interfaces import (
 from gyre_core.orchestrator.harness import classify_end
 from gyre_core.orchestrator.journal import Journal, Replay, event_from_json, selected_from_json, selected_to_json, tree_from_json, tree_to_json
 from gyre_core.orchestrator.run_config import RunConfig
+from gyre_core.orchestrator.resume_commands import ReplayCommands
 from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
+from gyre_core.scheduler.commands import carry_out
 from gyre_core.scheduler.events import Outcome, Role
 from gyre_core.scheduler.state_machine import Scheduler
 
@@ -316,43 +318,10 @@ class LiveOrchestrator:
         role = ["rollout"] * len(self.cells)
         steps: dict[int, dict[str, Any]] = {}
         done_steps: set[int] = set()
-        publish_pending: int | None = None
         evaluated: set[int] = set()
         verdict_fed: set[int] = set()  # executions whose EvaluationValid / final Unresolved was fed
 
-        def effects(cmd: ev.Command, t: float) -> None:
-            nonlocal publish_pending
-            if isinstance(cmd, ev.DispatchGroup):
-                self._dispatch(cmd)
-            elif isinstance(cmd, ev.Launch):
-                launched[cmd.execution_id] = cmd
-                ex = self._execs[cmd.execution_id]
-                ex.engine, ex.launched_on, ex.launched_at, ex.fate = cmd.engine, cmd.engine, t, "running"
-                self.ledger.register(cmd.execution_id, t + self.cfg.harness.overall_budget_s)
-            elif isinstance(cmd, ev.Cancel):
-                self._execs[cmd.execution_id].fate = "cancelled"
-                cancels.add(cmd.execution_id)
-            elif isinstance(cmd, ev.Reroute):
-                self._execs[cmd.execution_id].engine = cmd.destination
-            elif isinstance(cmd, ev.CellToTraining):
-                pending_role[cmd.cell] = Role.TRAINING
-            elif isinstance(cmd, ev.CellToRollout):
-                pending_role[cmd.cell] = Role.ROLLOUT
-            elif isinstance(cmd, ev.StartStep):
-                steps[cmd.step] = {"cells": list(cmd.cells), "groups": [], "staleness": [], "closed": False}
-            elif isinstance(cmd, ev.JoinStep):
-                steps[cmd.step]["cells"].append(cmd.cell)
-            elif isinstance(cmd, ev.AssignGroup):
-                steps[cmd.step]["groups"].append(cmd.group_id)
-                steps[cmd.step]["staleness"].append(cmd.staleness)
-                self._account_group(cmd.group_id, "assigned")
-            elif isinstance(cmd, ev.CloseStream):
-                steps[cmd.step]["closed"] = True
-            elif isinstance(cmd, ev.Publish):
-                publish_pending = cmd.version
-            elif isinstance(cmd, (ev.GroupDropped, ev.GroupFiltered)):
-                self._short_group(cmd)
-
+        replayed = ReplayCommands(self, launched, cancels, pending_role, steps)
         for rec in replay.order:
             kind = rec["kind"]
             if kind == "event":
@@ -387,10 +356,11 @@ class LiveOrchestrator:
                                                   "staleness": st["staleness"], "mean_reward": self._mean_reward(st["groups"]),
                                                   "cells": sorted(set(st["cells"])), "replayed": True})
                 elif isinstance(event, ev.PublicationDone):
-                    if publish_pending == event.version:
-                        publish_pending = None
+                    if replayed.publish_pending == event.version:
+                        replayed.publish_pending = None
+                replayed.t = t
                 for cmd in self.sched.handle(event, t):
-                    effects(cmd, t)
+                    carry_out(replayed, cmd)
             elif kind == "trajectory":
                 ex = self._execs[int(rec["execution_id"])]
                 ex.trajectory = (tree_from_json(rec["tree"]), selected_from_json(rec["selected"]))
@@ -438,8 +408,9 @@ class LiveOrchestrator:
                 self._spawn(self._to_rollout(cell), f"cell {cell} to rollout (resumed)")
         for step, st in sorted(steps.items()):
             self._restart_step(step, st)
-        if publish_pending is not None:
-            self._spawn(self._publish(publish_pending), f"publication of version {publish_pending} (resumed)")
+        if replayed.publish_pending is not None:
+            v = replayed.publish_pending
+            self._spawn(self._publish(v), f"publication of version {v} (resumed)")
         for eid, cmd in launched.items():
             if eid not in ended and eid not in cancels:
                 if self._execs[eid].trajectory is not None or eid in evaluated:
@@ -529,45 +500,63 @@ class LiveOrchestrator:
     # ------------------------------------------------------------------ commands
 
     def _execute(self, cmd: ev.Command) -> None:
-        if isinstance(cmd, ev.DispatchGroup):
-            self._dispatch(cmd)
-        elif isinstance(cmd, ev.Launch):
-            self._execs[cmd.execution_id].fate = "launching"  # counted launched from now on
-            self._execs[cmd.execution_id].launched_on = cmd.engine
-            self._spawn(self._launch(cmd), f"launch of execution {cmd.execution_id}")
-        elif isinstance(cmd, ev.Cancel):
-            self._cancel(cmd.execution_id)
-        elif isinstance(cmd, ev.Reroute):
-            self.proxy.router.pin(cmd.execution_id, self._engine_url(cmd.destination))
-            self._execs[cmd.execution_id].engine = cmd.destination
-        elif isinstance(cmd, ev.CellToTraining):
-            self._set_role(cmd.cell, "to_training")
-            self._spawn(self._to_training(cmd.cell), f"cell {cmd.cell} to training")
-        elif isinstance(cmd, ev.CellToRollout):
-            self._set_role(cmd.cell, "to_rollout")
-            self._spawn(self._to_rollout(cmd.cell), f"cell {cmd.cell} to rollout")
-        elif isinstance(cmd, ev.StartStep):
-            self._start_step(cmd)
-        elif isinstance(cmd, ev.JoinStep):
-            self._steps[cmd.step].cells.append(cmd.cell)
-            self._spawn(self._cell_call(cmd.cell, self.cells[cmd.cell].training.join_step, cmd.step),
-                        f"cell {cmd.cell} joining step {cmd.step}")
-        elif isinstance(cmd, ev.AssignGroup):
-            st = self._steps[cmd.step]
-            self._account_group(cmd.group_id, "assigned")
-            st.packing.assign(cmd.group_id)
-            st.groups.append(cmd.group_id)
-            st.staleness.append(cmd.staleness)
-        elif isinstance(cmd, ev.CloseStream):
-            st = self._steps[cmd.step]
-            st.packing.close()
-            st.closing = True
-            self._spawn(self._finish_step(st), f"training step {cmd.step}")
-        elif isinstance(cmd, ev.Publish):
-            self._publishing = cmd.version
-            self._spawn(self._publish(cmd.version), f"publication of version {cmd.version}")
-        elif isinstance(cmd, (ev.GroupDropped, ev.GroupFiltered)):
-            self._short_group(cmd)
+        carry_out(self, cmd)
+
+    # One method per scheduler command (the CommandHandler interface), on the real cells.
+
+    def on_dispatch_group(self, cmd: ev.DispatchGroup) -> None:
+        self._dispatch(cmd)
+
+    def on_launch(self, cmd: ev.Launch) -> None:
+        self._execs[cmd.execution_id].fate = "launching"  # counted launched from now on
+        self._execs[cmd.execution_id].launched_on = cmd.engine
+        self._spawn(self._launch(cmd), f"launch of execution {cmd.execution_id}")
+
+    def on_cancel(self, cmd: ev.Cancel) -> None:
+        self._cancel(cmd.execution_id)
+
+    def on_reroute(self, cmd: ev.Reroute) -> None:
+        self.proxy.router.pin(cmd.execution_id, self._engine_url(cmd.destination))
+        self._execs[cmd.execution_id].engine = cmd.destination
+
+    def on_cell_to_training(self, cmd: ev.CellToTraining) -> None:
+        self._set_role(cmd.cell, "to_training")
+        self._spawn(self._to_training(cmd.cell), f"cell {cmd.cell} to training")
+
+    def on_cell_to_rollout(self, cmd: ev.CellToRollout) -> None:
+        self._set_role(cmd.cell, "to_rollout")
+        self._spawn(self._to_rollout(cmd.cell), f"cell {cmd.cell} to rollout")
+
+    def on_start_step(self, cmd: ev.StartStep) -> None:
+        self._start_step(cmd)
+
+    def on_join_step(self, cmd: ev.JoinStep) -> None:
+        self._steps[cmd.step].cells.append(cmd.cell)
+        self._spawn(self._cell_call(cmd.cell, self.cells[cmd.cell].training.join_step, cmd.step),
+                    f"cell {cmd.cell} joining step {cmd.step}")
+
+    def on_assign_group(self, cmd: ev.AssignGroup) -> None:
+        st = self._steps[cmd.step]
+        self._account_group(cmd.group_id, "assigned")
+        st.packing.assign(cmd.group_id)
+        st.groups.append(cmd.group_id)
+        st.staleness.append(cmd.staleness)
+
+    def on_close_stream(self, cmd: ev.CloseStream) -> None:
+        st = self._steps[cmd.step]
+        st.packing.close()
+        st.closing = True
+        self._spawn(self._finish_step(st), f"training step {cmd.step}")
+
+    def on_publish(self, cmd: ev.Publish) -> None:
+        self._publishing = cmd.version
+        self._spawn(self._publish(cmd.version), f"publication of version {cmd.version}")
+
+    def on_group_dropped(self, cmd: ev.GroupDropped) -> None:
+        self._short_group(cmd)
+
+    def on_group_filtered(self, cmd: ev.GroupFiltered) -> None:
+        self._short_group(cmd)
 
     def _short_group(self, cmd: ev.GroupDropped | ev.GroupFiltered) -> None:
         """The scheduler's decision on a group short of N valid rewards, carried out in the buffer."""

@@ -17,6 +17,7 @@ from typing import IO, Callable
 
 from gyre_core.config import ConfigError, SchedulerConfig
 from gyre_core.scheduler import events as ev
+from gyre_core.scheduler.commands import carry_out
 from gyre_core.scheduler.events import Outcome, Role
 from gyre_core.scheduler.state_machine import Scheduler
 from gyre_core.simulator.timeline import training_shares
@@ -235,54 +236,69 @@ class Simulation:
     # ------------------------------------------------------------------ commands
 
     def _execute(self, cmd: ev.Command) -> None:
-        p = self.params
-        if isinstance(cmd, ev.DispatchGroup):
-            self._dispatch(cmd)
-        elif isinstance(cmd, ev.Launch):
-            rec = self._records[cmd.execution_id]
-            self._push(self.now + rec.duration_s, _END, (cmd.execution_id, rec.outcome))
-        elif isinstance(cmd, ev.Cancel):
-            # immediate in the simulated world; queued so the scheduler is not re-entered
-            self._cancelled.add(cmd.execution_id)
-            self._push(self.now, _CANCEL, cmd.execution_id)
-        elif isinstance(cmd, ev.Reroute):
-            self._reroutes += 1
-        elif isinstance(cmd, ev.CellToTraining):
-            self._switches["to_training"] += 1
-            self._set_role(cmd.cell, "to_training")
-            self._push(self.now + p.rollout_to_training_s, _TRANSITION, (cmd.cell, Role.TRAINING))
-        elif isinstance(cmd, ev.CellToRollout):
-            self._switches["to_rollout"] += 1
-            self._set_role(cmd.cell, "to_rollout")
-            self._push(self.now + p.training_to_rollout_s, _TRANSITION, (cmd.cell, Role.ROLLOUT))
-        elif isinstance(cmd, ev.StartStep):
-            self._step, self._closed, self._work_left = cmd.step, False, 0.0
-            self._train_cells = set(cmd.cells)
-            self._train_t = self.now
-            self._awaiting_group = True  # the scheduler serves the step's first pull itself
-            self._step_start.append(self.now)
-        elif isinstance(cmd, ev.JoinStep):
-            self._train_sync()
-            self._train_cells.add(cmd.cell)
-            self._after_work_change()
-        elif isinstance(cmd, ev.AssignGroup):
-            self._train_sync()
-            self._groups[cmd.group_id].step = cmd.step
-            self._work_left += sum(self._valid_tokens[cmd.group_id][: self.cfg.group_size])
-            self._awaiting_group = False
-            self._after_work_change()
-        elif isinstance(cmd, ev.CloseStream):
-            self._train_sync()
-            self._closed = True
-            self._after_work_change()
-        elif isinstance(cmd, ev.Publish):
-            self._push(self.now + p.publication_s, _PUBLICATION, cmd.version)
-        elif isinstance(cmd, ev.GroupFiltered):
-            if cmd.empty:
-                self._valid_tokens[cmd.group_id] = []  # consumed once, trains nothing
-            self._groups[cmd.group_id].ready = self.now
-        elif isinstance(cmd, ev.GroupDropped):
-            pass
+        carry_out(self, cmd)
+
+    # One method per scheduler command (the CommandHandler interface), in simulated time.
+
+    def on_dispatch_group(self, cmd: ev.DispatchGroup) -> None:
+        self._dispatch(cmd)
+
+    def on_launch(self, cmd: ev.Launch) -> None:
+        rec = self._records[cmd.execution_id]
+        self._push(self.now + rec.duration_s, _END, (cmd.execution_id, rec.outcome))
+
+    def on_cancel(self, cmd: ev.Cancel) -> None:
+        # immediate in the simulated world; queued so the scheduler is not re-entered
+        self._cancelled.add(cmd.execution_id)
+        self._push(self.now, _CANCEL, cmd.execution_id)
+
+    def on_reroute(self, cmd: ev.Reroute) -> None:
+        self._reroutes += 1
+
+    def on_cell_to_training(self, cmd: ev.CellToTraining) -> None:
+        self._switches["to_training"] += 1
+        self._set_role(cmd.cell, "to_training")
+        self._push(self.now + self.params.rollout_to_training_s, _TRANSITION, (cmd.cell, Role.TRAINING))
+
+    def on_cell_to_rollout(self, cmd: ev.CellToRollout) -> None:
+        self._switches["to_rollout"] += 1
+        self._set_role(cmd.cell, "to_rollout")
+        self._push(self.now + self.params.training_to_rollout_s, _TRANSITION, (cmd.cell, Role.ROLLOUT))
+
+    def on_start_step(self, cmd: ev.StartStep) -> None:
+        self._step, self._closed, self._work_left = cmd.step, False, 0.0
+        self._train_cells = set(cmd.cells)
+        self._train_t = self.now
+        self._awaiting_group = True  # the scheduler serves the step's first pull itself
+        self._step_start.append(self.now)
+
+    def on_join_step(self, cmd: ev.JoinStep) -> None:
+        self._train_sync()
+        self._train_cells.add(cmd.cell)
+        self._after_work_change()
+
+    def on_assign_group(self, cmd: ev.AssignGroup) -> None:
+        self._train_sync()
+        self._groups[cmd.group_id].step = cmd.step
+        self._work_left += sum(self._valid_tokens[cmd.group_id][: self.cfg.group_size])
+        self._awaiting_group = False
+        self._after_work_change()
+
+    def on_close_stream(self, cmd: ev.CloseStream) -> None:
+        self._train_sync()
+        self._closed = True
+        self._after_work_change()
+
+    def on_publish(self, cmd: ev.Publish) -> None:
+        self._push(self.now + self.params.publication_s, _PUBLICATION, cmd.version)
+
+    def on_group_filtered(self, cmd: ev.GroupFiltered) -> None:
+        if cmd.empty:
+            self._valid_tokens[cmd.group_id] = []  # consumed once, trains nothing
+        self._groups[cmd.group_id].ready = self.now
+
+    def on_group_dropped(self, cmd: ev.GroupDropped) -> None:
+        pass  # the simulated buffer holds nothing to discard
 
     def _dispatch(self, cmd: ev.DispatchGroup) -> None:
         n = len(cmd.execution_ids)
