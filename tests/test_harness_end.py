@@ -43,7 +43,7 @@ def test_a_real_process_killed_by_a_signal_is_a_crash(tmp_path: Path) -> None:
 
 
 def test_spec_carries_the_exit_to_the_evaluator() -> None:
-    from gyre_core.orchestrator.live import _with_exit
+    from gyre_core.orchestrator.live_executions import _with_exit
 
     spec = ExecutionSpec(execution_id=1, workdir="/w", proxy_base_url="http://x", api_key="k", harness_timeout_s=1,
                          overall_budget_s=2, harness="command", task="t", extra={"task": "sum-file"})

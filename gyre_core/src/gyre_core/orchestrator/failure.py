@@ -11,11 +11,15 @@ import time
 import traceback
 from pathlib import Path
 
-__all__ = ["ERROR_LOG", "RunError", "cause_lines", "write_error_log"]
+__all__ = ["ERROR_LOG", "RunError", "RunFailed", "cause_lines", "write_error_log"]
 
 ERROR_LOG = "error.log"
 
 _TRACEBACK = "Traceback (most recent call last):"
+
+
+class RunFailed(RuntimeError):
+    """The run could not continue (a backend failed in a way the scheduler cannot absorb)."""
 
 
 def _one_line(exc: BaseException) -> str:

@@ -207,7 +207,7 @@ class EngineWatchdog:
         version = self.initial_version
         while orch.weights.version != version:
             target = orch.weights
-            from gyre_core.orchestrator.live import load_weights_on
+            from gyre_core.orchestrator.live_cells import load_weights_on
 
             await load_weights_on(serving, target)
             version = target.version

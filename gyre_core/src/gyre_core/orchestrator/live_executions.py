@@ -1,0 +1,256 @@
+"""The live run's executions: dispatch, launch through the harness hook, end, evaluation, cancel.
+
+Each execution gets its own proxy credential and workspace; its end becomes an ``ExecutionEnded``
+event, its evaluation an ``EvaluationValid`` / ``EvaluationUnresolved`` event, and its fate
+(trained, dropped, filtered, surplus, excluded, cancelled) is kept here for the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass, is_dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
+
+from gyre_core.dataplane.trajectory_buffer import ScoredExecution
+from gyre_core.interfaces import (
+    Assessment,
+    ExecutionSpec,
+    StateRef,
+)
+from gyre_core.orchestrator.failure import RunFailed
+from gyre_core.orchestrator.harness import classify_end
+from gyre_core.orchestrator.journal import selected_to_json, tree_to_json
+from gyre_core.scheduler import events as ev
+from gyre_core.scheduler.events import Outcome
+
+log = logging.getLogger("gyre.orchestrator")
+
+
+@dataclass
+class _Execution:
+    group_id: int
+    spec: ExecutionSpec | None = None
+    handle: Any = None
+    engine: int | None = None
+    launched_on: int | None = None
+    """The engine its Launch named (``engine`` follows later reroutes)."""
+    launched_at: float = 0.0
+    outcome: Outcome | None = None
+    reward: float | None = None
+    fate: str = "queued"  # queued, running, ended, trained, dropped, surplus, excluded, cancelled
+    trajectory: tuple[Any, Any] | None = None
+    """(tree, selected) as the execution ended: the proxy's records, kept for its evaluation."""
+    harness_exit: dict[str, Any] | None = None
+    """``{"code", "end"}`` when the harness exited non-zero (``end``: failed or crashed)."""
+
+
+def _with_exit(spec: ExecutionSpec, harness_exit: Mapping[str, Any]) -> ExecutionSpec:
+    """``spec`` with the harness's exit for the evaluator: ``extra["harness_exit"]`` (the code)
+    and ``extra["harness_end"]`` (:data:`gyre_core.orchestrator.harness.HARNESS_ENDS`)."""
+    return replace(spec, extra={**spec.extra, "harness_exit": harness_exit["code"], "harness_end": harness_exit["end"]})
+
+
+def _jsonable(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {k: _jsonable(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "value") and not isinstance(obj, (int, float, str)):
+        return obj.value
+    return obj
+
+
+class ExecutionsMixin:
+    """The execution half of :class:`~gyre_core.orchestrator.live.LiveOrchestrator`."""
+
+    def _dispatch(self, cmd: ev.DispatchGroup) -> None:
+        self.buffer.dispatch(cmd)
+        if cmd.refill_of is None:
+            inst = self.pm.hook.gyre_task_instance(task=self.cfg.task.name, group_id=cmd.group_id,
+                                                   seed=self.cfg.run.seed, options=asdict(self.cfg.task))
+            if inst is None:
+                raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
+            self._groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}
+        for eid in cmd.execution_ids:
+            self._execs[eid] = _Execution(cmd.group_id)
+
+    async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
+        ex = self._execs[cmd.execution_id]
+        if not relaunch and ex.fate != "launching":
+            return  # cancelled (or the run ended) before its launch got to run
+        inst = self._groups[cmd.group_id]["instance"]
+        eid, key = self.proxy.create_execution(cmd.execution_id, metadata={"group": cmd.group_id})
+        self.proxy.router.pin(eid, self._engine_url(cmd.engine))
+        workdir = self.out_dir / "executions" / f"e{eid:05d}"
+        if relaunch and workdir.exists():  # a crashed attempt: keep it for inspection, start clean
+            workdir.rename(workdir.with_name(f"{workdir.name}.crashed-{int(time.time())}"))
+        extra: dict[str, Any] = dict(inst.as_extra(), model=self.cfg.model.name)
+        if self.cfg.harness.kind == "command":
+            extra["command"] = list(self.cfg.harness.command)
+        if self.cfg.harness.kind == "claude-code":
+            extra["claude_bin"] = self.cfg.harness.claude_bin
+            extra["claude_args"] = list(self.cfg.harness.args)
+        if self.sandbox is not None:
+            extra["sandbox"] = self.sandbox
+        spec = ExecutionSpec(
+            execution_id=eid, workdir=str(workdir), proxy_base_url=self.proxy_url, api_key=key,
+            harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
+            harness=self.cfg.harness.kind, task=inst.prompt, extra=extra,
+        )
+        ex.spec, ex.engine, ex.launched_at, ex.fate = spec, cmd.engine, self.now(), "running"
+        if relaunch:
+            self.ledger.relaunch(eid, self.now() + spec.overall_budget_s)
+        else:
+            self.ledger.register(eid, self.now() + spec.overall_budget_s)
+        handle = self.pm.hook.gyre_launch_harness(spec=spec)
+        if handle is None:
+            raise RunFailed(f"no plugin launches harness {spec.harness!r}")
+        ex.handle = handle
+        code = await asyncio.get_running_loop().run_in_executor(self._blocking, handle.wait, spec.harness_timeout_s)
+        if ex.fate in ("cancelled", "stopped"):
+            return  # its cancellation (or the run's end) already ended it
+        if code is None:
+            await asyncio.to_thread(handle.kill)
+            outcome = Outcome.HARNESS_TIMEOUT
+        else:
+            # A non-zero exit is assessed like any end: the evaluator is told how the harness
+            # ended and judges what the workspace holds. Only the task may call it a zero (a
+            # harness that ran to its end and produced nothing); a crash never is one.
+            if code != 0:
+                end_kind = getattr(handle, "end_kind", None)
+                end = end_kind(int(code)) if end_kind is not None else classify_end(spec.harness, int(code))
+                ex.harness_exit = {"code": int(code), "end": end}
+                ex.spec = _with_exit(spec, ex.harness_exit)
+            outcome = Outcome.COMPLETED
+        await self._ended(eid, outcome)
+
+    async def _ended(self, eid: int, outcome: Outcome) -> None:
+        ex = self._execs[eid]
+        ex.outcome, ex.fate = outcome, "ended"
+        self.proxy.close_execution(eid)
+        if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
+            # Its token records live only in this process: journal them *before* its end, so a
+            # crash either keeps both (the resumed run evaluates it) or neither (it is re-run).
+            ex.trajectory = (self.proxy.records(eid).tree,
+                             self.proxy.selected(eid, self.cfg.dataplane.j_max, self.cfg.run.seed * 7919 + eid))
+            if self.journal is not None:
+                self.journal.write("trajectory", execution_id=eid, tree=tree_to_json(ex.trajectory[0]),
+                                   selected=selected_to_json(ex.trajectory[1]), harness_exit=ex.harness_exit)
+        self._emit(ev.ExecutionEnded(eid, outcome))
+        state = self._final_state(eid)
+        answer = self.ledger.terminated(eid, outcome, state if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT) else None)
+        if answer is not None:  # a complete failure: zero-reward placeholder
+            ex.reward = 0.0
+            if self.journal is not None:
+                self.journal.write("placeholder", execution_id=eid, group=ex.group_id)
+            self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id))
+            self._emit(answer)
+            return
+        if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
+            await self._evaluate(eid)
+
+    async def _evaluate(self, eid: int) -> None:
+        ex = self._execs[eid]
+        spec = ex.spec
+        assert spec is not None
+        timeout = max(1.0, min(60.0, spec.overall_budget_s / 4))
+
+        def evaluator(state: StateRef) -> Assessment | None:
+            return self.pm.hook.gyre_evaluate(spec=spec, state=state)
+
+        while True:
+            answer = await self._assess_once(eid, evaluator, timeout)
+            if isinstance(answer, ev.EvaluationValid):
+                reward = self.ledger.reward(eid)
+                ex.reward = reward
+                assert ex.trajectory is not None, f"execution {eid} was evaluated without its records"
+                tree, selected = ex.trajectory
+                if self.journal is not None:  # the records are in its "trajectory" entry
+                    self.journal.write("scored", execution_id=eid, group=ex.group_id, reward=reward)
+                used = self.buffer.put(ScoredExecution(eid, ex.group_id, reward, tree, selected))
+                if not used:
+                    ex.fate = "surplus"
+                self._emit(answer)
+                return
+            if not answer.final and ex.harness_exit and ex.harness_exit.get("end") == "crashed":
+                # nothing the crashed harness left can be assessed, and a retry would read the same
+                answer = self.ledger.exclude(eid)
+            if answer.final:
+                ex.fate = "excluded"
+                if self.journal is not None:
+                    self.journal.write("excluded", execution_id=eid)
+                self.buffer.exclude(eid)
+                self._emit(answer)
+                return
+            self._emit(answer)
+            await asyncio.sleep(max(0.0, min(5.0, timeout, self.ledger.deadline(eid) - self.now())))
+
+    async def _assess_once(self, eid: int, evaluator: Callable[[StateRef], Assessment | None],
+                           timeout: float) -> ev.EvaluationValid | ev.EvaluationUnresolved:
+        """One assessment attempt, bounded by ``timeout`` and by what is left of the budget.
+
+        Only the evaluator runs in a worker thread; the ledger is updated here, on the loop, so an
+        attempt that hangs past its bound and answers later changes nothing (its answer is
+        dropped) and can never race the retry. Unresolved once the budget is spent: excluded."""
+        state = self.ledger.retry_target(eid)
+        started, deadline = self.now(), self.ledger.deadline(eid)
+        bound = min(timeout, deadline - started)
+        if bound <= 0:
+            return self.ledger.evaluate(eid, evaluator, started)  # no attempt starts: excluded
+        try:
+            got: Assessment | None = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._blocking, evaluator, state), bound)
+        except asyncio.TimeoutError:  # a hung evaluator: unresolved, retried within the budget
+            got = Assessment.unresolved(state, f"evaluator gave no answer within {bound:.1f} s")
+        except Exception as exc:  # a crashing evaluator: unresolved, retried within the budget
+            got = Assessment.unresolved(state, f"evaluator raised {exc!r}")
+        answer = self.ledger.evaluate(eid, lambda s: got, started)
+        if isinstance(answer, ev.EvaluationUnresolved) and not answer.final and self.now() >= deadline:
+            answer = self.ledger.evaluate(eid, evaluator, self.now())  # budget spent: excluded
+        return answer
+
+    def _cancel(self, eid: int) -> None:
+        ex = self._execs[eid]
+        prev, ex.fate = ex.fate, "cancelled"
+        if prev == "running" and ex.handle is not None:
+            self._spawn(asyncio.to_thread(ex.handle.kill), f"cancel of execution {eid}")
+            self.proxy.close_execution(eid)
+        self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
+
+    def _account_group(self, gid: int, fate: str, from_fates: tuple[str, ...] = ("ended",)) -> None:
+        """Move a group's executions from ``from_fates`` to ``fate`` (``trained`` only once the
+        step that consumed them has applied its update)."""
+        for ex in self._execs.values():
+            if ex.group_id == gid and ex.fate in from_fates:
+                ex.fate = fate
+
+    def _group_members(self, gid: int) -> list[int]:
+        return [e for e, x in self._execs.items() if x.group_id == gid]
+
+    def _spec_for(self, eid: int) -> ExecutionSpec:
+        ex = self._execs[eid]
+        inst = self._groups[ex.group_id]["instance"]
+        spec = ExecutionSpec(
+            execution_id=eid, workdir=str(self.out_dir / "executions" / f"e{eid:05d}"), proxy_base_url=self.proxy_url,
+            api_key="", harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
+            harness=self.cfg.harness.kind, task=inst.prompt, extra=dict(inst.as_extra(), model=self.cfg.model.name))
+        return _with_exit(spec, ex.harness_exit) if ex.harness_exit else spec
+
+    def _final_state(self, eid: int) -> StateRef:
+        return StateRef(artifact_version="final", branch=str(self.out_dir / "executions" / f"e{eid:05d}"))
+
+    def _mean_reward(self, groups: Sequence[int]) -> float | None:
+        rs = [x.reward for g in groups for x in (self._execs[e] for e in self._group_members(g)) if x.reward is not None]
+        return round(sum(rs) / len(rs), 4) if rs else None
+
+    def _short_group(self, cmd: ev.GroupDropped | ev.GroupFiltered) -> None:
+        """The scheduler's decision on a group short of N valid rewards, carried out in the buffer."""
+        if isinstance(cmd, ev.GroupDropped):
+            self.buffer.drop(cmd)
+            self._account_group(cmd.group_id, "dropped")
+            return
+        self.buffer.filter(cmd)
+        if cmd.empty:  # its few valid rewards give no group baseline: nothing of it is trained
+            self._account_group(cmd.group_id, "filtered")
