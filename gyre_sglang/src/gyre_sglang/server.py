@@ -106,7 +106,7 @@ class SGLangServer:
             "--model-path", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             "--max-total-tokens", str(self.max_total_tokens),
-            "--api-key", str(self.api_key),
+            f"--api-key={self.api_key}",  # one token: a key may start with "-" (token_urlsafe does, 1 in 64)
         ]
         if not _cuda_available():
             cmd += ["--device", "cpu"]
