@@ -55,6 +55,12 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     assert {p["transport"] for p in summary["publications"]} == {"mooncake"}
     assert sorted(d.name for d in (out / "weights").iterdir()) == ["v0"]
     _assert_final_checkpoint_is_the_last_publication(out)
+    # calls a role change caught in flight continued on their new engine (with their KV unless
+    # a reason says otherwise); how many are caught depends on timing, often none at 24 tokens
+    ic = summary["interrupted_calls"]
+    assert ic["handed_off"] + ic["reprefilled"] <= ic["interrupted"]
+    assert sum(ic["reasons"].values()) == ic["reprefilled"]
+    assert not [r for r in ic["reasons"] if "import on the destination failed" in r], ic["reasons"]
     assert "<svg" in (out / "role_timeline.svg").read_text()
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert sum(1 for e in events if e.get("event") == "MicroStepsDone") == 3

@@ -152,59 +152,65 @@ def test_nothing_to_move_falls_back_to_reprefill(sglang_server, dest_server):
 
 def test_a_role_change_continues_running_calls_on_the_kv_their_engine_handed_off(
         sglang_server, dest_server, tiny_model_dir):
-    """The live role switch's path: the proxy reroutes the source's executions, hands the KV of
-    their running calls to the destination, and each call continues there. The recorded answers
-    are exactly the source's own greedy answers, and the destination prefilled (almost) nothing."""
+    """The live role switch's path, as ``LiveOrchestrator`` takes it: the proxy reroutes the
+    switching engine's executions, then the engine's serving side goes to training with the
+    proxy's ``hand_off`` as its hand-off step. Each running call's KV moves to the other engine
+    and the call continues there: the recorded answers are exactly greedy answers of one engine,
+    and the destination prefilled (almost) nothing. The switching engine is ``dest_server`` (it
+    is brought back to rollout at the end); the session server receives the calls."""
     from gyre_core.proxy.render import ChatRenderer
     from gyre_core.proxy.service import ProxyConfig, ProxyService
     from gyre_core.proxy.types import ChatMessage, ChatRequest
+    from gyre_sglang.serving_side import SGLangServingSide
 
     renderer = ChatRenderer.from_model_dir(tiny_model_dir)
     svc = ProxyService(renderer, ProxyConfig(served_models=("tiny",), max_new_tokens=N, retry_wait_s=30.0,
                                              sampling={"temperature": 0.0, "ignore_eos": True}))
     rng = random.Random(7)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "zeta"]
+    side = SGLangServingSide(dest_server.url, cell=1, api_key=dest_server.api_key)
 
     async def go():
         async with sglang_server.client() as a, dest_server.client() as b:
-            svc.add_engine(a, kind="cell", cell_index=0, capacity=4)
+            svc.add_engine(b, kind="cell", cell_index=1, capacity=4)
             eids = [svc.create_execution()[0] for _ in range(2)]
             for e in eids:
-                svc.router.assign(e)  # both on the source (the only engine yet)
-            svc.add_engine(b, kind="cell", cell_index=1, capacity=4)
+                svc.router.assign(e)  # both on the switching engine (the only one yet)
+            svc.add_engine(a, kind="cell", cell_index=0, capacity=4)
             calls = [asyncio.ensure_future(svc.complete(ChatRequest(
                 execution_id=str(e), model="tiny", tools=(),
                 messages=(ChatMessage("user", " ".join(rng.choice(words) for _ in range(60))),))))
                 for e in eids]
             deadline = time.monotonic() + 120
-            while len(svc.inflight(a.url)) < 2 and time.monotonic() < deadline:
+            while len(svc.inflight(b.url)) < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.5)  # both are decoding now (384 tokens take several seconds here)
-            svc.reroute(a.url, [b.url])
-            outcomes = await svc.hand_off(a.url)
+            svc.reroute(b.url, [a.url])
+            phases = await side.ato_training(lambda rids: svc.hand_off(b.url, rids))
             await asyncio.gather(*calls)
             refs = []
             for e in eids:
                 (rec,) = svc.records(e).calls
                 refs.append(await a.generate(list(rec.new_input_ids), {"temperature": 0.0, "ignore_eos": True,
                                                                        "max_new_tokens": N}))
-            return eids, outcomes, refs, await _pins(a)
+            pins_b = await _pins(b)
+            await side.ato_rollout(None)  # the later tests use it as a destination again
+            return eids, phases, refs, pins_b
 
-    eids, outcomes, refs, pins_a = asyncio.run(go())
-    assert [o.moved for o in outcomes] == [True, True], [o.reason for o in outcomes]
+    eids, phases, refs, pins_b = asyncio.run(go())
+    assert [p.phase for p in phases][:3] == ["stop_intake", "hand_off", "abort"]
     summary = svc.handoffs.summary()
-    assert summary["interrupted"] == 2 and summary["handed_off"] == 2 and summary["reprefilled"] == 0
-    for e, ref, o in zip(eids, refs, outcomes):
+    assert summary["interrupted"] == 2 and summary["handed_off"] == 2, summary
+    assert summary["reprefilled"] == 0 and summary["regenerated"] == 0
+    for e, ref in zip(eids, refs):
         (rec,) = svc.records(e).calls
-        assert rec.attempts == 2 and rec.engine == dest_server.url
-        assert rec.output_ids == ref.output_ids  # greedy: what the source alone would have produced
+        assert rec.attempts == 2 and rec.engine == sglang_server.url
+        assert rec.output_ids == ref.output_ids  # greedy: what one engine alone produces
         assert len(rec.logprobs) == N and rec.finish_reason == "length"
-    # The destination reused the handed-off prefix of each call: prompt + partial output, less at
-    # most the last token SGLang always recomputes.
-    handed = sum(o.prefix_tokens for o in outcomes)
-    assert handed - len(outcomes) <= summary["prefill_tokens_saved"] <= handed
+    # The destination reused the handed-off prefix of each call (prompt + partial output, less at
+    # most the last token, which SGLang always recomputes): far more than the prompts alone.
     assert summary["prefill_tokens_saved"] > 2 * 60 and summary["handoff_bytes"] > 0
-    assert not _source_pins(pins_a)
+    assert not _source_pins(pins_b)  # the switching engine holds nothing for the hand-offs
 
 
 def test_dead_destination_is_a_clear_error_and_leaves_no_pin(sglang_server):
