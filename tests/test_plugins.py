@@ -233,6 +233,7 @@ def test_every_hookspec_is_documented_and_marked() -> None:
         "gyre_evaluate",
         "gyre_classify_role",
         "gyre_on_event",
+        "gyre_on_metrics",
         "gyre_preflight",
     }
     marker = f"{hookspecs.PROJECT_NAME}_spec"
@@ -240,7 +241,7 @@ def test_every_hookspec_is_documented_and_marked() -> None:
         assert (fn.__doc__ or "").strip(), f"{name} has no docstring"
         assert hasattr(fn, marker), f"{name} is not a hookspec"
         firstresult = getattr(fn, marker)["firstresult"]
-        assert firstresult == (name not in {"gyre_plugin_info", "gyre_on_event", "gyre_preflight"}), name
+        assert firstresult == (name not in {"gyre_plugin_info", "gyre_on_event", "gyre_on_metrics", "gyre_preflight"}), name
         assert ("firstresult" if firstresult else "Broadcast") in fn.__doc__, name
 
 

@@ -61,6 +61,7 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     assert ic["handed_off"] + ic["reprefilled"] <= ic["interrupted"]
     assert sum(ic["reasons"].values()) == ic["reprefilled"]
     assert not [r for r in ic["reasons"] if "import on the destination failed" in r], ic["reasons"]
+    _assert_tensorboard_holds_every_step(out / "metrics" / "tensorboard", summary)
     assert "<svg" in (out / "role_timeline.svg").read_text()
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert sum(1 for e in events if e.get("event") == "MicroStepsDone") == 3
@@ -76,6 +77,20 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
         assert rec["split_executions"] == 0  # every execution's rows fit one pack: exact ratios
     assert summary["grad_norms"] == [r["grad_norm"] for r in summary["step_records"]]
     assert [e["step_done"] for e in events if "step_done" in e] == [0, 1, 2]
+
+
+def _assert_tensorboard_holds_every_step(tb_dir: Path, summary: dict) -> None:
+    """The default metrics observer wrote each step's training figures, as the summary has them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in summary["step_records"]]
+    assert [round(e.value, 6) for e in loss] == [round(r["loss"], 6) for r in summary["step_records"]]
+    assert [e.value for e in acc.Scalars("train/tokens")] == [r["tokens"] for r in summary["step_records"]]
+    assert {"train/grad_norm", "rollout/staleness_mean", "executions/trained", "switch/to_training_s"} <= set(
+        acc.Tags()["scalars"])
 
 
 def _assert_final_checkpoint_is_the_last_publication(out: Path) -> None:

@@ -194,6 +194,19 @@ def gyre_on_event(time: float, event: object) -> None:
 
 
 @hookspec
+def gyre_on_metrics(step: int, metrics: Mapping[str, float]) -> None:
+    """Receive one finished training step's figures. Broadcast; return values are ignored.
+
+    Called by the live orchestrator once per step, after the core applied the update, with flat
+    ``section/figure`` scalars (:func:`gyre_core.metrics.step_metrics`): ``train/`` (loss, grad
+    norm, clip fraction, importance ratios, tokens), ``rollout/`` (mean reward, staleness),
+    ``executions/`` (by state), ``switch/`` (role-switch phase seconds), ``calls/`` (interrupted
+    calls), ``publication/``. A figure not measured is absent, never 0. The built-in TensorBoard
+    and W&B observers implement it; must be quick and must not raise.
+    """
+
+
+@hookspec
 def gyre_preflight(config: Mapping[str, Any]) -> list[str] | None:
     """Say what this plugin's part of a run would fail to load, before anything starts. Broadcast.
 

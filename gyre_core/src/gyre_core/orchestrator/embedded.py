@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gyre_core.interfaces import WeightsRef
+from gyre_core.metrics.observers import close_observers, open_observers
 from gyre_core.config import ConfigError
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, StandaloneHandles
@@ -45,7 +46,7 @@ JOURNAL = "journal.jsonl"
 """The run's durable state in ``run.out_dir`` (see :mod:`gyre_core.orchestrator.journal`)."""
 
 RESUME_MAY_CHANGE = ("run.steps", "run.max_wall_s", "run.out_dir", "run.resume", "training.step_timeout_s",
-                     "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.")
+                     "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.", "metrics.")
 """What a resumed run may change (how long and how watched it runs, where it listens): everything
 else shapes what the journal recorded (the scheduler, the task, sampling, the objective, the
 harness, the seed) and must match, unless the resume is forced."""
@@ -179,7 +180,9 @@ def run_live(
     out.mkdir(parents=True, exist_ok=True)
     engines: list[Any] = []
     t0 = time.monotonic()
+    observers: list[Any] = []
     try:
+        observers = open_observers(cfg.metrics, out, pm, cfg.as_dict())
         return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started, replay))
     except Exception as exc:  # one line per cause for the console; every traceback to error.log
         causes = cause_lines(exc)
@@ -190,6 +193,7 @@ def run_live(
                                                 "wall_s": round(time.monotonic() - t0, 2)}, indent=1))
         raise RunError(causes, error_log) from exc
     finally:
+        close_observers(observers, pm)
         for e in engines:
             with contextlib.suppress(Exception):
                 e.stop()

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from gyre_core.dataplane.packing import StreamPackingBuffer
 from gyre_core.interfaces import WeightsRef
+from gyre_core.metrics import step_metrics
 from gyre_core.orchestrator.live_cells import load_weights_on
 from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
@@ -75,6 +76,7 @@ class StepsMixin:
                "joins": _joins([(c, getattr(self.cells[c].training, "last_step_info", [])) for c in sorted(set(st.cells)) if c]),
                **training_figures([getattr(self.cells[c].training, "last_step_info", []) for c in sorted(set(st.cells))])}
         self.step_records.append(rec)
+        self._report_metrics(rec)
         if self.event_log is not None:
             self.event_log.write(json.dumps({"t": round(self.now(), 3), "step_done": st.step, **rec}) + "\n")
             self.event_log.flush()
@@ -84,6 +86,18 @@ class StepsMixin:
                       f"{rec['tokens']} tokens")
         del self._steps[st.step]
         self._emit(ev.MicroStepsDone(st.step))
+
+    def _report_metrics(self, rec: dict[str, Any]) -> None:
+        """The step's figures to the ``gyre_on_metrics`` observers (TensorBoard, W&B, plugins)."""
+        mark = getattr(self, "_metrics_switch_mark", 0)
+        metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.role_switches[mark:],
+                               interrupted_calls=self._interrupted_calls(),
+                               publication=self.publications[-1] if self.publications else None)
+        self._metrics_switch_mark = len(self.role_switches)
+        try:
+            self.pm.hook.gyre_on_metrics(step=int(rec["step"]), metrics=metrics)
+        except Exception:  # an observer's failure must not stop training
+            log.exception("a gyre_on_metrics observer failed at step %s", rec["step"])
 
     def _restart_step(self, step: int, st: dict[str, Any]) -> None:
         """Re-run an interrupted step from the last checkpoint on the groups it had been given."""

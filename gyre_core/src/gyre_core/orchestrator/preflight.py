@@ -62,6 +62,13 @@ def _core_problems(cfg: RunConfig, pm: Any) -> list[str]:
 
     if (why := sandbox_problem(h.sandbox)) is not None:
         problems.append(why)
+    import importlib.util
+
+    for backend, module, install in (("tensorboard", "tensorboard", "pip install tensorboard"),
+                                     ("wandb", "wandb", "pip install wandb")):
+        if backend in cfg.metrics.backends and importlib.util.find_spec(module) is None:
+            problems.append(f"metrics.backends: {backend!r} needs the {module} package ({install}, "
+                            "or leave it out of metrics.backends)")
     seams = {s for info in pm.hook.gyre_plugin_info() for s in info.get("seams", [])}
     if "training" not in seams:
         problems.append("training backend: no plugin provides it (pip install gyre-megatron)")

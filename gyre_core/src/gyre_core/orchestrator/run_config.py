@@ -121,6 +121,19 @@ class ProxySection:
 
 
 @dataclass
+class MetricsSection:
+    """Where each step's figures go (the ``gyre_on_metrics`` observers that are built in)."""
+
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Any of ``tensorboard`` (event files under ``dir``) and ``wandb`` (needs ``pip install wandb``); [] for none."""
+    dir: str = ""
+    """Empty: ``<out_dir>/metrics``."""
+    wandb_project: str = "gyre"
+    wandb_mode: str = "offline"
+    """``offline`` (a run folder to ``wandb sync`` later), ``online`` or ``disabled``."""
+
+
+@dataclass
 class ClusterSection:
     """Where the cells' ranks and engines run.
 
@@ -206,6 +219,7 @@ class RunConfig:
     watchdog: WatchdogSection = field(default_factory=WatchdogSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     publication: PublicationSection = field(default_factory=PublicationSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def validate(self) -> "RunConfig":
         def need(cond: bool, where: str, msg: str) -> None:
@@ -272,6 +286,13 @@ class RunConfig:
              f"unknown Mooncake protocol {self.publication.protocol!r} (expected \"tcp\" or \"rdma\")")
         need(self.publication.protocol != "rdma" or bool(self.publication.device.strip()), "publication.device",
              "name the RDMA devices for protocol \"rdma\" (e.g. \"mlx5_0\")")
+        from gyre_core.metrics import BACKENDS
+
+        for b in self.metrics.backends:
+            need(b in BACKENDS, "metrics.backends", f"unknown backend {b!r} (expected any of {', '.join(BACKENDS)})")
+        need(len(set(self.metrics.backends)) == len(self.metrics.backends), "metrics.backends", "names a backend twice")
+        need(self.metrics.wandb_mode in ("offline", "online", "disabled"), "metrics.wandb_mode",
+             f"unknown mode {self.metrics.wandb_mode!r} (expected \"offline\", \"online\" or \"disabled\")")
         w = self.watchdog
         for name in ("interval_s", "health_every_s", "health_timeout_s"):
             need(getattr(w, name) > 0, f"watchdog.{name}", "must be > 0")
