@@ -86,8 +86,9 @@ def _assert_tensorboard_holds_every_step(tb_dir: Path, summary: dict) -> None:
     acc = EventAccumulator(str(tb_dir))
     acc.Reload()
     loss = acc.Scalars("train/loss")
-    assert [e.step for e in loss] == [r["step"] for r in summary["step_records"]]
-    assert [round(e.value, 6) for e in loss] == [round(r["loss"], 6) for r in summary["step_records"]]
+    trained = [r for r in summary["step_records"] if r["loss"] is not None]
+    assert [e.step for e in loss] == [r["step"] for r in trained]
+    assert all(abs(e.value - r["loss"]) <= 1e-6 * max(1.0, abs(r["loss"])) for e, r in zip(loss, trained))
     assert [e.value for e in acc.Scalars("train/tokens")] == [r["tokens"] for r in summary["step_records"]]
     assert {"train/grad_norm", "rollout/staleness_mean", "executions/trained", "switch/to_training_s"} <= set(
         acc.Tags()["scalars"])
