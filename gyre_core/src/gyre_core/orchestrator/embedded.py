@@ -32,6 +32,7 @@ from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, Standalon
 from gyre_core.orchestrator.failure import RunError, cause_lines, write_error_log
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
+from gyre_core.orchestrator.status_line import StatusLine
 from gyre_core.orchestrator.watchdog import EngineWatchdog
 
 __all__ = ["run_live"]
@@ -159,7 +160,8 @@ def run_live(
     ``plugins`` are registered on top of the installed ones (their hooks are called first).
     ``on_started`` is called once everything runs, with ``{"orchestrator", "engines", "proxy",
     "proxy_url", "loop"}`` -- for tools and fault-injection tests that need to reach the parts."""
-    say = progress or (lambda m: print(f"[gyre {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    status = StatusLine(sys.stderr) if progress is None else None  # the caller's progress lines: no display
+    say = progress or status.log  # type: ignore[union-attr]
     pm = _plugin_manager(plugins)
     if pm.hook.gyre_task_instance(task=cfg.task.name, group_id=0, seed=cfg.run.seed,
                                   options=dataclasses.asdict(cfg.task)) is None:
@@ -183,7 +185,7 @@ def run_live(
     observers: list[Any] = []
     try:
         observers = open_observers(cfg.metrics, out, pm, cfg.as_dict())
-        return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started, replay))
+        return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started, replay, status))
     except Exception as exc:  # one line per cause for the console; every traceback to error.log
         causes = cause_lines(exc)
         error_log = write_error_log(out, exc)
@@ -204,7 +206,8 @@ def run_live(
 
 
 async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Callable[[str], None], t0: float,
-               on_started: Callable[[dict[str, Any]], Any] | None = None, replay: Replay | None = None) -> dict[str, Any]:
+               on_started: Callable[[dict[str, Any]], Any] | None = None, replay: Replay | None = None,
+               status: StatusLine | None = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from gyre_core.proxy.app import build_app, default_faces
@@ -325,7 +328,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
-                                    publisher=publisher, standalone=standalone)
+                                    publisher=publisher, standalone=standalone, status=status)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
                                              say, cfg, training).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")

@@ -45,6 +45,7 @@ from gyre_core.orchestrator.live_executions import ExecutionsMixin, _Execution, 
 from gyre_core.orchestrator.live_resume import ResumeMixin
 from gyre_core.orchestrator.live_steps import StepsMixin, _Step
 from gyre_core.orchestrator.run_config import RunConfig
+from gyre_core.orchestrator.status_line import StatusLine, status_text
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.commands import carry_out
 from gyre_core.scheduler.state_machine import Scheduler
@@ -78,12 +79,15 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         sandbox: Mapping[str, Any] | None = None,
         publisher: Any = None,
         standalone: StandaloneHandles | None = None,
+        status: StatusLine | None = None,
     ) -> None:
         if len(cells) != cfg.scheduler.cells:
             raise ValueError(f"{len(cells)} cells given, scheduler.cells = {cfg.scheduler.cells}")
         if (standalone is None) != (cfg.scheduler.standalone_capacity == 0):
             raise ValueError("a standalone engine is needed exactly when scheduler.standalone_capacity > 0")
         self.standalone = standalone
+        self.status = status
+        """The live status line (None: no display, e.g. when the caller takes the progress lines)."""
         self.cfg = cfg
         self.cells = list(cells)
         self.proxy = proxy
@@ -173,6 +177,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                 self.journal.write("config", config=self.cfg.as_dict())
             self._handle(ev.Start())
         poller = asyncio.ensure_future(self._poll_buffers())
+        ticker = asyncio.ensure_future(self._show_status()) if self.status is not None else None
         try:
             while self.sched.steps_done < steps or self._publishing is not None:  # end on a published policy
                 if self._failure is not None:
@@ -188,6 +193,9 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                 self._handle(event)
         finally:
             poller.cancel()
+            if ticker is not None:
+                ticker.cancel()
+                self.status.close()  # type: ignore[union-attr]
         for cell, (role, since) in enumerate(self._role_since):
             if self.now() > since:
                 self.role_intervals.append((cell, role, since, self.now()))
@@ -201,6 +209,25 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         for cmd in commands:
             self._log("command", cmd)
             self._execute(cmd)
+
+    def status_text(self) -> str:
+        """Where the run stands, in one line (see :mod:`gyre_core.orchestrator.status_line`)."""
+        snap = self.sched.snapshot()
+        last = next((r["mean_reward"] for r in reversed(self.step_records) if r.get("mean_reward") is not None), None)
+        return status_text(steps_done=snap.steps_done, steps_total=self.cfg.run.steps,
+                           cell_roles=[role for role, _ in self._role_since], running=snap.running,
+                           ready_groups=len(self.buffer.ready()),
+                           trained=sum(1 for ex in self._execs.values() if ex.fate == "trained"),
+                           last_reward=last, elapsed_s=self.now())
+
+    async def _show_status(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.status.update(self.status_text())  # type: ignore[union-attr]
+            except Exception:  # a display must never stop a run
+                log.exception("status line failed")
+                return
 
     async def _poll_buffers(self) -> None:
         """Streaming pulls: the open step's packing buffer asks for a group when it runs low."""
