@@ -74,3 +74,31 @@ def test_wandb_without_the_package_is_a_preflight_line(monkeypatch) -> None:
     cfg = load_run_config(None, {"metrics.backends": '["wandb"]'})
     problems = _core_problems(cfg, plugin_manager(load_entrypoints=False))
     assert any(p.startswith("metrics.backends: 'wandb' needs the wandb package") for p in problems), problems
+
+
+def test_the_wandb_observer_logs_each_step_at_its_step(tmp_path, monkeypatch) -> None:
+    """W&B itself is an optional extra that CI does not install: ``_WandbStandIn`` records the
+    calls the observer makes (``init`` with the mode and folder, ``log`` per step, ``finish``)."""
+    import sys
+    import types
+
+    calls: list[tuple] = []
+
+    class _RunStandIn:
+        def log(self, data, step):
+            calls.append(("log", step, dict(data)))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    stand_in = types.ModuleType("wandb")
+    stand_in.init = lambda **kw: calls.append(("init", kw)) or _RunStandIn()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", stand_in)
+    from gyre_core.metrics.wandb import WandbObserver
+
+    obs = WandbObserver(tmp_path / "wandb", project="p", mode="offline", config={"run": {"steps": 2}})
+    obs.gyre_on_metrics(step=0, metrics={"train/loss": 0.5})
+    obs.gyre_on_metrics(step=1, metrics={"train/loss": 0.25})
+    obs.close()
+    assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline" and calls[0][1]["dir"] == str(tmp_path / "wandb")
+    assert calls[1:] == [("log", 0, {"train/loss": 0.5}), ("log", 1, {"train/loss": 0.25}), ("finish",)]
