@@ -382,7 +382,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             "interrupted_calls": self._interrupted_calls(),
         }
 
-    def _interrupted_calls(self) -> dict[str, Any]:
+    def _interrupted_calls(self) -> dict[str, Any] | None:
         """Calls cut short by a role change or a dead engine: continued on the KV they handed
         off, re-prefilled (and why), or generated again; prefill tokens the hand-offs saved."""
-        return self.proxy.handoffs.summary()
+        handoffs = getattr(self.proxy, "handoffs", None)
+        return handoffs.summary() if handoffs is not None else None

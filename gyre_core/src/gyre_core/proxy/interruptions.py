@@ -94,20 +94,19 @@ class HandOffs:
         self._pending[rid] = fut
         return fut
 
-    def take(self, rid: str) -> "asyncio.Future[KVHandOff] | None":
-        """The attempt ``rid`` ended: its hand-off, if one was started (an attempt that ended by
-        itself drops it: the late hand-off moves nothing the call continues from)."""
-        return self._pending.pop(rid, None)
-
-    @staticmethod
-    async def outcome(fut: "asyncio.Future[KVHandOff] | None", rid: str, timeout: float) -> KVHandOff | None:
-        """What the hand-off behind ``fut`` did, waited for up to ``timeout``."""
+    async def outcome(self, rid: str, timeout: float) -> KVHandOff | None:
+        """The outcome of ``rid``'s hand-off, if one was started (waited for up to ``timeout``)."""
+        fut = self._pending.pop(rid, None)
         if fut is None:
             return None
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             return KVHandOff(rid, False, f"hand-off still running after {timeout:.0f} s")
+
+    def forget(self, rid: str) -> None:
+        """The attempt ended by itself: a hand-off started too late moves nothing it continues."""
+        self._pending.pop(rid, None)
 
     def count_continuation(self, handoff: KVHandOff | None, reason: str, cached_tokens: int, engine: str) -> None:
         """An interrupted attempt was continued on ``engine`` by an attempt that reused

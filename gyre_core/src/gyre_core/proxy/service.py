@@ -615,18 +615,20 @@ class ProxyService:
             except EngineUnreachable:
                 unreachable = True
             except EngineError as exc:
+                self.handoffs.forget(rid)
                 raise ProxyError(502, "engine", f"the rollout engine refused the call: {exc.message}") from None
             except asyncio.CancelledError:
+                self.handoffs.forget(rid)
                 asyncio.ensure_future(self._abort_quietly(slot.client, rid))
                 raise
             finally:
                 t_engine += time.perf_counter() - t0
                 self._inflight.get(url, {}).pop(rid, None)
-                pending = self.handoffs.take(rid)  # with the rid: a hand-off starts only while it is in flight
             if interrupted is not None and not unreachable:
                 self.handoffs.count_continuation(*interrupted, cached_tokens=result.cached_tokens, engine=url)
                 interrupted = None
             if not unreachable and result.finish_reason != "abort":
+                self.handoffs.forget(rid)
                 if carried is not None:
                     joined = join(carried, result)
                     if joined is None:  # another policy continued it: generate the call again, whole
@@ -636,24 +638,26 @@ class ProxyService:
                     result = joined
                 return result, url, attempts, t_engine, engines + [url]
             if attempts > cfg.max_retries:
+                self.handoffs.forget(rid)
                 raise ProxyError(503, "overloaded", f"the call was interrupted {attempts} times; giving up")
             self.handoffs.interrupted += 1
-            handoff = await self.handoffs.outcome(pending, rid, timeout=4 * cfg.handoff_timeout_s + 30)
-            reason = "no KV hand-off (the engine aborted the call)"
+            handoff = await self.handoffs.outcome(rid, timeout=4 * cfg.handoff_timeout_s + 30)
             if unreachable:
-                reason = "engine unreachable"
-            elif not continuable:
-                self.handoffs.regenerated += 1
-                reason = "not continuable (constrained or penalised sampling)"
-            elif result.output_ids:
+                interrupted = (handoff, "engine unreachable")
+            elif continuable and result.output_ids:
                 merged = result if carried is None else join(carried, result)
-                if merged is None:  # another policy generated the earlier part: start again, whole
+                if merged is None:
                     self.handoffs.regenerated += 1
                     carried, engines = None, []
                 else:
                     carried = merged
                     engines.append(url)
-            interrupted = (handoff, reason)
+                interrupted = (handoff, "no KV hand-off (the engine aborted the call)")
+            else:
+                if not continuable:
+                    self.handoffs.regenerated += 1
+                interrupted = (handoff, "not continuable (constrained or penalised sampling)" if not continuable
+                               else "no KV hand-off (the engine aborted the call)")
             moved = await self._wait_for_reroute(eid, url)
             exclude = frozenset({url}) if (unreachable and not moved) else frozenset()
 
