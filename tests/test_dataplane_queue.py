@@ -121,3 +121,36 @@ def test_a_producer_exits_promptly_with_micro_steps_left_unclaimed() -> None:
     )
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], timeout=60, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
+
+
+def _wait_forever(q: MicroStepQueue) -> None:
+    q.claim(timeout=600)  # killed while waiting here, on an empty open queue
+
+
+def test_a_claimant_killed_while_waiting_does_not_stall_the_producer_or_the_others() -> None:
+    """A satellite rank that dies mid-step is often waiting for its next micro-step; the core's
+    stream (and the orchestrator, which puts and closes) must go on as if it had never waited."""
+    import os
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    q: MicroStepQueue = MicroStepQueue(ctx)
+    victims = [ctx.Process(target=_wait_forever, args=(q,)) for _ in range(2)]
+    for p in victims:
+        p.start()
+    time.sleep(8.0)  # spawned: they import torch, then wait on the empty queue
+    for p in victims:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+    out = ctx.Queue()
+    survivor = ctx.Process(target=claim_all, args=(q, out, 0.0))
+    survivor.start()
+    t0 = time.monotonic()
+    done = threading.Thread(target=produce, args=(q, 20))
+    done.start()
+    done.join(timeout=30)
+    assert not done.is_alive(), "put/close blocked on a dead claimant"
+    survivor.join(timeout=120)
+    assert survivor.exitcode == 0
+    got = sorted(out.get(timeout=5)[1] for _ in range(20))
+    assert got == list(range(20)) and time.monotonic() - t0 < 120
