@@ -163,3 +163,36 @@ def test_dead_satellite_fails_step_cleanly_and_survivors_finish_batch(sides) -> 
     for k in ref:
         np.testing.assert_allclose(got[0][k], ref[k], rtol=0, atol=5e-6, err_msg=k)
         assert np.array_equal(got[1][k], got[0][k]), k
+
+
+def test_after_a_death_the_restarted_world_carries_the_core_and_the_dead_cell_rejoins(sides) -> None:
+    """The cell that died in the test above comes back: every rank is started anew, the core's
+    parameters, optimizer and version carried across, and the dead cell joins the next step,
+    pulling the core's weights (it comes back at no version)."""
+    s0, s1, s2 = sides
+    w = s0.world
+    before = w.call([0], "params_numpy")[0]
+    old_pids = [p.pid for p in w.procs]
+    info = s0.restart_ranks()
+    print(f"\nrestart: every rank anew in {info['restart_s']:.2f} s")
+    assert info["restarts"] == 1 and not set(old_pids) & {p.pid for p in w.procs}
+    after = w.call([0], "params_numpy")[0]
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    items = make_items(8, seed=23)
+    q = s0.micro_step_queue(4)
+    s0.start_step(4)
+    for it in items[:3]:
+        q.put(it)
+    wait_claimed(q)
+    s1.join_step(4)
+    s2.join_step(4)
+    time.sleep(0.5)
+    feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
+    for s in sides:
+        s.close_stream(4)
+    (core,), (sat1,), (sat2,) = (s.last_step_info for s in sides)
+    assert core["m"] == 3 and sat2["joined"] and sat2["pull_bytes"] > 0 and core["update_ok"]
+    assert sorted(core["claimed"] + sat1["claimed"] + sat2["claimed"]) == list(range(8))
+    params = w.call([0, 1, 2], "params_numpy")
+    assert all(np.array_equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+    assert not all(np.array_equal(params[0][k], before[k]) for k in before)  # the step updated the core

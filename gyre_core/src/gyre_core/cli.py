@@ -276,6 +276,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{summary['steps']} steps in {summary['wall_s']:.0f} s ({summary['mode']}); mean staleness "
               f"{summary['mean_staleness']}; rewards per step {summary['rewards']}; "
               f"{len(summary['role_switches'])} role switches; executions {ex}; outputs in {cfg.run.out_dir}")
+        for f in summary.get("satellite_failures") or []:
+            print(f"step {f['step']}: cell(s) {f['cells']} died, the step finished on cells {f['survivors']}"
+                  + (f", ranks restarted in {f['restart_s']} s" if f.get("restarted") else ""))
     return 0
 
 

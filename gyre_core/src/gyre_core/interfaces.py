@@ -236,7 +236,13 @@ class TrainingSide(Protocol):
     def close_stream(self, step: int) -> None:
         """No more micro-steps will be enqueued for ``step``. Return once this cell has drained
         its pipeline and contributed its gradients (on the core: once the optimizer update is
-        applied)."""
+        applied).
+
+        When a participant fails, raise an exception carrying ``survivors`` (cells
+        ``0..survivors−1`` kept their gradients; 0: this cell itself is gone) and ``requeue``
+        (dropped cell -> indices of the micro-steps it had claimed, to stream again). A backend
+        that can finish such a step adds the optional ``resume_step(step) -> (queue, wait)``
+        (see :class:`StepRecovery`)."""
         ...
 
     def publish_weights(self, version: int) -> WeightsRef:
@@ -248,6 +254,24 @@ class TrainingSide(Protocol):
     def export_weights(self, version: int) -> Mapping[str, Any]:
         """Core only: the weights of policy ``version`` in the serving layout, name -> tensor, for
         a :class:`WeightPublisher` to expose (the default transport: nothing is written)."""
+        ...
+
+
+class StepRecovery(Protocol):
+    """What a training backend adds so that a satellite's death does not end the run (optional;
+    the live run looks these methods up and fails the run without them)."""
+
+    def resume_step(self, step: int) -> tuple[Any, Callable[[], Sequence[Mapping[str, Any]]]]:
+        """After ``close_stream`` failed: finish ``step`` on the surviving cells' kept gradients
+        plus the dropped cells' micro-steps. Called on the core first, then on each surviving
+        satellite; returns the queue the re-streamed micro-steps go into (the core's; closed by
+        the caller) and a callable that waits for this cell's part and returns its statistics."""
+        ...
+
+    def restart_ranks(self) -> Mapping[str, Any]:
+        """Core only: start the training processes anew after a cell's died (the core's state
+        carried across), so every cell can join later steps; ``{"restart_s": ...}``. Raises
+        ``NotImplementedError`` where the processes are a cluster launcher's to restart."""
         ...
 
 

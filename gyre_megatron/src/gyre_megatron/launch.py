@@ -145,18 +145,38 @@ class World(_Ranks):
         self.size = opts.cells * opts.pp
         self.ctx = mp.get_context("spawn")
         self.queues = [MicroStepQueue(self.ctx) for _ in range(n_queues)]
+        self._next_queue = 0
+        self.start_timeout_s = start_timeout_s
+        self.restarts = 0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        # Answers and commands get new pipes each time: a rank killed while writing one may have
+        # left it half-written or locked.
         self._res = self.ctx.Queue()
         self._cmd = [self.ctx.Queue() for _ in range(self.size)]
-        self._next_queue = 0
-        port = _free_port()
+        port = self.port = _free_port()  # the ranks' rendezvous: rank 0 serves the c10d store there
         self.procs = [
-            self.ctx.Process(target=worker_main, args=(r, self.size, port, opts, self.queues, self._cmd[r], self._res),
+            self.ctx.Process(target=worker_main, args=(r, self.size, port, self.opts, self.queues, self._cmd[r], self._res),
                              daemon=True, name=f"gyre-rank{r}")
             for r in range(self.size)
         ]
         for p in self.procs:
             p.start()
-        self._join(start_timeout_s)
+        self._join(self.start_timeout_s)
+
+    def restart(self) -> None:
+        """Every rank anew, in a new process group: the way back for a cell whose rank died.
+
+        Torch cannot admit a new process into a process group, so one dead rank means a new world:
+        the survivors are stopped and all ``cells × pp`` ranks spawned again (the micro-step queues
+        are kept; unused ones still serve later steps). The new ranks hold freshly built models:
+        carrying the core's training state across is the caller's part
+        (:meth:`gyre_megatron.side.MegatronTrainingSide.restart_ranks`)."""
+        self.close()
+        self._answers.clear()
+        self.restarts += 1
+        self._spawn()
 
     def _send(self, rank: int, message: tuple[Any, ...]) -> None:
         self._cmd[rank].put(message)

@@ -45,6 +45,7 @@ class StepFailed(RuntimeError):
 
     ``requeue`` maps each dropped cell (the dead one and any cell after it in the prefix) to the
     micro-step indices it had claimed: they were never counted and must be streamed again.
+    ``survivors`` is 0 when the cell that raised is itself gone (its ranks died, raised or hung).
     """
 
     def __init__(self, message: str, requeue: dict[int, list[int]] | None = None, survivors: int = 1) -> None:
@@ -452,9 +453,13 @@ class CellRank(RankChecks):
             info["grad_norm"], info["update_ok"] = norm, bool(ok)
         self.zero_grads()
         if not final and m > 1:
-            for p in self.params:
-                dist.broadcast(p, src=self.stage, group=self.prefix[m])
-            self.version = step + 1
+            try:
+                for p in self.params:
+                    dist.broadcast(p, src=self.stage, group=self.prefix[m])
+                self.version = step + 1
+            except Exception as e:  # a satellite died after the update: the core's step stands
+                info["broadcast_failed"] = f"{type(e).__name__}: {e}"[:300]
+                self.version = step + 1 if self.is_core else -1  # a satellite pulls at its next join
         else:  # a satellite leaving after the burst's last step keeps stale weights
             self.version = step + 1 if self.is_core else -1
         return info

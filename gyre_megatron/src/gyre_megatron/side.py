@@ -136,8 +136,9 @@ class MegatronTrainingSide:
         ticket = self._tickets.pop(step)
         try:
             self.last_step_info = self.world.wait(ticket, self.timeout_s)
-        except RankError as e:
-            raise StepFailed(f"cell {self.cell}, step {step}: {e}") from e
+        except RankError as e:  # this cell's own ranks raised, died or hung: nothing of it survives
+            self.last_step_info = []
+            raise StepFailed(f"cell {self.cell}, step {step}: {e}", survivors=0) from e
         failed = [i for i in self.last_step_info if i.get("failed")]
         if failed:
             requeue = {int(c): v for i in failed for c, v in i.get("requeue", {}).items()}
@@ -159,6 +160,31 @@ class MegatronTrainingSide:
             qi = _queue_of[(id(self.world), -1 - step)]
         ticket = self.world.submit(self.ranks, "resume_step", step, qi, self._final(step))
         return self.world.queues[qi], lambda: self.world.wait(ticket, self.timeout_s)
+
+    def restart_ranks(self) -> dict[str, Any]:
+        """Core only: after a satellite's rank died, start every rank of the world anew (the way a
+        cell can take part in training again) and carry the core's training state across
+        (parameters, optimizer, policy version; saved and loaded through a temporary checkpoint).
+        Satellites come back at no version: their next join pulls the core's weights.
+
+        Only a world this process spawned can be restarted (``launcher = "local"``); a cluster
+        launcher's ranks are the launcher's to restart, so there this raises
+        :class:`NotImplementedError`. Returns ``{"restart_s", "restarts"}``."""
+        if self.cell != 0:
+            raise ValueError("only the core restarts the world")
+        restart = getattr(self.world, "restart", None)
+        if restart is None:
+            raise NotImplementedError(f"{type(self.world).__name__}: ranks started by a cluster launcher are not restarted here")
+        import tempfile
+
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="gyre-restart-") as tmp:
+            path = f"{tmp}/core"
+            self.world.call(self.ranks, "save_checkpoint", path, timeout=self.timeout_s)
+            restart()
+            self.world.call(self.ranks, "load_checkpoint", path, timeout=self.timeout_s)
+        self._tickets.clear()
+        return {"restart_s": time.monotonic() - t0, "restarts": int(self.world.restarts)}
 
     def start_engine(self, model_dir: str, options: Mapping[str, Any]) -> Any:
         """Start this cell's SGLang server where the cell's ranks run (``launcher = "torchrun"``:

@@ -34,7 +34,7 @@ import bisect
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -241,6 +241,9 @@ class StreamPackingBuffer:
         """Executions whose rows did not fit one pack together (their ratio is per pack)."""
         self._trajectories = trajectories
         self._queue = queue
+        self._sent: dict[int, MicroStep] = {}
+        """Every micro-step emitted, by index, until the step is over: what a cell that died had
+        claimed is streamed again (:meth:`redo`)."""
         self._pool = _RowPool()
         self._pulls = 1  # the scheduler's StartStep pulls the first group
         self._closed = False
@@ -310,6 +313,20 @@ class StreamPackingBuffer:
             self._closed = True
             self._queue.close()
 
+    def redo(self, indices: Sequence[int], queue: MicroStepQueue[MicroStep]) -> int:
+        """Stream micro-steps ``indices`` again, into ``queue``, and close it: a step that lost a
+        cell finishes on its survivors, who never counted what the dead cell had claimed.
+        Returns their tokens."""
+        with self._lock:
+            missing = [i for i in indices if i not in self._sent]
+            if missing:
+                raise ValueError(f"step {self.step}: micro-steps {missing} were never emitted")
+            items = [self._sent[i] for i in indices]
+        for micro in items:
+            queue.put(micro)
+        queue.close()
+        return sum(m.tokens for m in items)
+
     def _emit(self, final: bool) -> None:
         c = self.config
         capacity = c.dp_size * c.token_budget
@@ -326,5 +343,6 @@ class StreamPackingBuffer:
             micro = MicroStep(self.step, self.micro_steps,
                               tuple(Pack(tuple(r for u in p for r in u), self.n_executions) for p in packs))
             self._queue.put(micro)
+            self._sent[micro.index] = micro
             self.micro_steps += 1
             self.tokens_emitted += micro.tokens

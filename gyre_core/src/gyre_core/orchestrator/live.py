@@ -131,6 +131,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self.role_switches: list[dict[str, Any]] = []
         self.step_records: list[dict[str, Any]] = []
         self.publications: list[dict[str, Any]] = []
+        self.satellite_failures: list[dict[str, Any]] = []
+        """Steps that lost a cell and finished on the survivors (and whether the ranks restarted)."""
 
     # ------------------------------------------------------------------ clock, events, tasks
 
@@ -380,6 +382,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             "publications": self.publications,
             "executions": self.executions_summary(),
             "interrupted_calls": self._interrupted_calls(),
+            "satellite_failures": self.satellite_failures,
         }
 
     def _interrupted_calls(self) -> dict[str, Any] | None:

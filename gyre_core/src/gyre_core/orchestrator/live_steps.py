@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from gyre_core.dataplane.packing import StreamPackingBuffer
 from gyre_core.interfaces import WeightsRef
 from gyre_core.metrics import step_metrics
+from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.live_cells import load_weights_on
 from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
@@ -31,6 +32,27 @@ class _Step:
     staleness: list[int] = field(default_factory=list)
     started: float = 0.0
     closing: bool = False
+
+
+class LostTraining:
+    """The training side of a cell whose ranks died and cannot be restarted here (a cluster
+    launcher's processes): it takes part in nothing, so the cell only serves from now on."""
+
+    def __init__(self, cell: int, why: str) -> None:
+        self.cell, self.why = cell, why
+        self.last_step_info: list[dict[str, Any]] = []
+
+    def enter_training(self) -> list[Any]:
+        return []
+
+    def leave_training(self) -> list[Any]:
+        return []
+
+    def join_step(self, step: int) -> None:
+        pass
+
+    def close_stream(self, step: int) -> None:
+        self.last_step_info = [{"joined": False, "lost": self.why}]
 
 
 def _joins(satellites: Sequence[tuple[int, Sequence[Mapping[str, Any]]]]) -> list[dict[str, Any]]:
@@ -54,10 +76,92 @@ class StepsMixin:
             fn = self.cells[cell].training.start_step if cell == 0 else self.cells[cell].training.join_step
             self._spawn(self._cell_call(cell, fn, cmd.step), f"cell {cell} starting step {cmd.step}")
 
+    async def _close_streams(self, st: _Step) -> dict[int, list[dict[str, Any]]]:
+        """Wait for every cell that trained in the step, the core last (it applies the update);
+        per cell, its ranks' statistics. A satellite that died takes nothing with it: the step
+        finishes on the cells that survived, and the training processes are restarted."""
+        infos: dict[int, list[dict[str, Any]]] = {}
+        failed: dict[int, BaseException] = {}
+        for cell in sorted(set(st.cells), reverse=True):
+            side = self.cells[cell].training
+            try:
+                await self._cell_call(cell, side.close_stream, st.step)
+            except Exception as e:
+                if getattr(e, "survivors", None) is None or (cell == 0 and e.survivors == 0):  # type: ignore[attr-defined]
+                    raise  # not a step failure, or the core itself is gone: the run's journal resumes it
+                failed[cell] = e
+            infos[cell] = list(getattr(side, "last_step_info", []))
+        if not failed:
+            return infos
+        gone = sorted(c for c, e in failed.items() if e.survivors == 0)  # type: ignore[attr-defined]
+        core = failed.get(0)
+        if core is None:  # the update went through without them: a gone satellite added nothing to it
+            if len(gone) != len(failed):
+                raise RunFailed(f"step {st.step}: cells {sorted(failed)} failed while the core's update went through: "
+                                + "; ".join(str(e) for e in failed.values()))
+            survivors, redone = [c for c in infos if c not in failed], 0
+        else:
+            survivors = sorted(c for c in set(st.cells) if c < core.survivors)  # type: ignore[attr-defined]
+            redone = await self._finish_on_survivors(st, survivors, core, infos)
+        for c in set(st.cells) - set(survivors):
+            infos.pop(c, None)
+        restart = await self._restart_training(st.step, gone) if gone else None
+        self.satellite_failures.append({"step": st.step, "cells": gone, "survivors": survivors,
+                                        "redone_micro_steps": redone, "error": str(failed[gone[0]] if gone else core)[:300],
+                                        **(restart or {})})
+        self.progress(f"step {st.step}: cell(s) {gone} died; finished on cells {survivors} "
+                      f"({redone} micro-steps streamed again)")
+        return infos
+
+    async def _finish_on_survivors(self, st: _Step, survivors: list[int], failure: Any,
+                                   infos: dict[int, list[dict[str, Any]]]) -> int:
+        """The surviving cells kept their gradients: they stream what the dropped cells had
+        claimed, then reduce and update as the step would have. Returns the re-streamed count."""
+        indices = sorted(i for claimed in failure.requeue.values() for i in claimed)
+        waits = []
+        for cell in survivors:  # the core first: it makes the queue the others claim from
+            resume = getattr(self.cells[cell].training, "resume_step", None)
+            if resume is None:
+                raise RunFailed(f"step {st.step} failed and cell {cell}'s backend cannot finish it: {failure}")
+            queue, wait = await self._cell_call(cell, resume, st.step)
+            if cell == 0:
+                redo_queue = queue
+            waits.append((cell, wait))
+        await asyncio.to_thread(st.packing.redo, indices, redo_queue)
+        for cell, wait in waits:
+            infos[cell] = infos.get(cell, []) + list(await self._cell_call(cell, wait))
+        return len(indices)
+
+    async def _restart_training(self, step: int, gone: list[int]) -> dict[str, Any]:
+        """Cells whose ranks died come back: every training process is started anew with the
+        core's state (torch cannot re-admit a process into a group). No cell's rank is busy
+        meanwhile (every cell's lock is held); cells settled in rollout then offload again."""
+        restart = getattr(self.cells[0].training, "restart_ranks", None)
+        locks = list(self._cell_locks)
+        for lock in locks:
+            await lock.acquire()
+        try:
+            try:
+                if restart is None:
+                    raise NotImplementedError("the training backend cannot restart its ranks")
+                info = dict(await asyncio.to_thread(restart))
+            except NotImplementedError as e:
+                for c in gone:  # they stay out of training; their engines keep serving
+                    self.cells[c].training = LostTraining(c, str(e))
+                log.warning("cells %s left out of training for the rest of the run: %s", gone, e)
+                return {"restarted": False, "reason": str(e)}
+            for c in range(1, len(self.cells)):
+                if self._role_since[c][0] == "rollout":  # fresh ranks hold their training state
+                    await asyncio.to_thread(self.cells[c].training.leave_training)
+        finally:
+            for lock in locks:
+                lock.release()
+        self.progress(f"training ranks restarted after step {step} in {info.get('restart_s', 0.0):.1f} s; "
+                      f"cells {gone} rejoin at later steps")
+        return {"restarted": True, "restart_s": round(float(info.get("restart_s", 0.0)), 3)}
+
     async def _finish_step(self, st: _Step) -> None:
-        # Wait for every cell that trained in the step; the core last (it applies the update).
-        for cell in sorted(st.cells, reverse=True):
-            await self._cell_call(cell, self.cells[cell].training.close_stream, st.step)
+        infos = await self._close_streams(st)
         save = getattr(self.cells[0].training, "save_checkpoint", None)
         if save is not None and self.journal is not None:
             path = str(self.out_dir / "checkpoints" / f"step{st.step}")
@@ -70,11 +174,11 @@ class StepsMixin:
                    if self._execs[e].reward is not None and self._execs[e].fate == "trained"]
         rec = {"step": st.step, "groups": list(st.groups), "staleness": list(st.staleness),
                "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
-               "executions": len(rewards), "cells": sorted(set(st.cells)),
+               "executions": len(rewards), "cells": sorted(infos),
                "duration_s": round(self.now() - st.started, 3), "micro_steps": st.packing.micro_steps,
                "split_executions": st.packing.split_executions,
-               "joins": _joins([(c, getattr(self.cells[c].training, "last_step_info", [])) for c in sorted(set(st.cells)) if c]),
-               **training_figures([getattr(self.cells[c].training, "last_step_info", []) for c in sorted(set(st.cells))])}
+               "joins": _joins([(c, infos[c]) for c in sorted(infos) if c]),
+               **training_figures([infos[c] for c in sorted(infos)])}
         self.step_records.append(rec)
         self._report_metrics(rec)
         if self.event_log is not None:
