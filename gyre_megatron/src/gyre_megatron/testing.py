@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["feed_in_bursts", "free_port", "make_items", "make_microsteps", "start_torchrun_nodes", "stop_nodes",
-           "wait_claimed"]
+__all__ = ["feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
+           "stop_nodes", "wait_claimed"]
 
 
 def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -84,6 +84,19 @@ def feed_in_bursts(q: Any, items: Sequence[Any], burst: int, gap_s: float, close
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th
+
+
+def rank_store(port: int, timeout_s: float = 10.0) -> Any:
+    """A client of the c10d store that the ranks of a local world (:attr:`World.port
+    <gyre_megatron.launch.World.port>`) keep their step keys in (``gyre/step{S}/join{C}``,
+    ``.../claimed{C}``): what a fault test watches to strike at a known point of a step. The two
+    prefixes are the ones ``init_process_group`` puts before its default group's keys."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    tcp = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
 
 
 def free_port() -> int:

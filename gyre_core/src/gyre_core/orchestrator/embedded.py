@@ -224,8 +224,9 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
             "vocab_size": len(tokenizer), "max_seq_len": cfg.model.max_seq_len, "seed": cfg.run.seed + 1234}
     train_opts = {"cells": k, "pp": cfg.training.pp, "model": spec, "lr": cfg.training.lr,
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
-                  "max_steps": cfg.run.steps + 4, "publish_dir": str(out / "weights"),
-                  "step_timeout_s": cfg.training.step_timeout_s,
+                  # one micro-step queue per step, plus the re-streams of steps that lost a cell
+                  "max_steps": cfg.run.steps + 8, "publish_dir": str(out / "weights"),
+                  "step_timeout_s": cfg.training.step_timeout_s, "data_timeout_s": cfg.training.collective_timeout_s,
                   # the GSPO objective's W_t already normalise per execution: no division by tokens
                   "normalise_by_tokens": False,
                   "objective": (cfg.training.importance_cap, cfg.training.clip_low, cfg.training.clip_high)}

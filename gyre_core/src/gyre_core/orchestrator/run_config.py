@@ -95,6 +95,9 @@ class TrainingSection:
     pp: int = 1
     clip_grad: float = 1.0
     step_timeout_s: float = 600.0
+    collective_timeout_s: float = 60.0
+    """How long a gradient collective waits for a peer: a satellite that died mid-step is given
+    up on within about this, and the step finishes on the cells that survived."""
     importance_cap: float = 5.0
     """GSPO: each token's importance weight π/π_behaviour is capped here."""
     clip_low: float = 0.005
@@ -245,6 +248,8 @@ class RunConfig:
         need(self.training.clip_grad >= 0 and math.isfinite(self.training.clip_grad), "training.clip_grad",
              "must be ≥ 0 (0: no clipping)")
         need(self.training.step_timeout_s > 0, "training.step_timeout_s", "must be > 0")
+        need(0 < self.training.collective_timeout_s < self.training.step_timeout_s, "training.collective_timeout_s",
+             "must be > 0 and below training.step_timeout_s (a step must outlast its own failure detection)")
         need(self.run.seed >= 0, "run.seed", "must be ≥ 0")
         need(self.harness.overall_budget_s > 0, "harness.overall_budget_s", "must be > 0")
         need(self.serving.start_timeout_s > 0, "serving.start_timeout_s", "must be > 0")
