@@ -331,10 +331,11 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                                     event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
                                     publisher=publisher, standalone=standalone, status=status)
             orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
-                                             say, cfg, training).attach(orch)
+                                             say, cfg, training, standalone_engine).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
             if on_started is not None:
-                on_started({"orchestrator": orch, "engines": list(started), "proxy": service,
+                on_started({"orchestrator": orch, "engines": list(started), "standalone_engine": standalone_engine,
+                            "proxy": service,
                             "proxy_url": proxy_url, "loop": asyncio.get_running_loop()})
             try:
                 summary = await orch.run()
@@ -405,19 +406,23 @@ def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, optio
 
 def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, engines: list[Any],
                      started: Sequence[Any], version: int, say: Callable[[str], None],
-                     cfg: RunConfig, training: Sequence[Any]) -> EngineWatchdog:
-    """The run's engine watchdog: a dead cell engine is killed for good and started again with
-    the same options on ``model_dir`` (policy ``version``); the watchdog brings it up to date."""
-    current = list(started)
-    restarts = [0] * len(current)
+                     cfg: RunConfig, training: Sequence[Any], standalone: Any = None) -> EngineWatchdog:
+    """The run's engine watchdog: a dead engine (a cell's, or ``-1``: the standalone pool's) is
+    killed for good and started again with the same options on ``model_dir`` (policy
+    ``version``); the watchdog brings it up to date."""
+    current = dict(enumerate(started))
+    if standalone is not None:
+        current[-1] = standalone
+    restarts = dict.fromkeys(current, 0)
 
     async def restart(cell: int) -> Any:
         await asyncio.to_thread(current[cell].kill)
         restarts[cell] += 1
-        log_path = out / f"engine{cell}.restart{restarts[cell]}.log"
+        log_path = out / (f"engine-standalone.restart{restarts[cell]}.log" if cell < 0
+                          else f"engine{cell}.restart{restarts[cell]}.log")
 
         # registered in the worker thread: a run ending meanwhile still stops it
-        e = await asyncio.to_thread(_start_engine, pm, cfg, training[cell], model_dir,
+        e = await asyncio.to_thread(_start_engine, pm, cfg, None if cell < 0 else training[cell], model_dir,
                                     {**opts, "log_path": str(log_path)}, engines)
         current[cell] = e
         return e

@@ -245,8 +245,13 @@ class StepsMixin:
                 except Exception:  # an engine that died meanwhile is the watchdog's to restart
                     if self.watchdog is None or not await self.watchdog.took_over(c.index, url):
                         raise
-        if self.standalone is not None:  # the pool never trains: it loads every version as it is published
-            await load_weights_on(self.standalone.serving, ref)
+        if self.standalone is not None and not (self.watchdog is not None and self.watchdog.down(-1)):
+            url = self.standalone.engine_url  # the pool never trains: it loads every version as it is published
+            try:
+                await load_weights_on(self.standalone.serving, ref)
+            except Exception:  # died meanwhile: the watchdog restarts it on self.weights
+                if self.watchdog is None or not await self.watchdog.took_over(-1, url):
+                    raise
         self.proxy.policy_version = version
         if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
             await asyncio.to_thread(self.publisher.release_older_than, previous.version)

@@ -22,7 +22,9 @@ meanwhile are pinned to the dead slot, which does not accept, so the proxy route
 the least-loaded open engine (possibly over its reserved capacity for a while). A role switch or a
 publication that needs the engine waits for :meth:`EngineWatchdog.ready`. Only engines in rollout
 are watched: one that dies while its cell trains fails the run at the switch back (a clear error).
-After ``max_restarts`` restarts of one cell the watchdog raises, which fails the run.
+The standalone pool's engine (engine ``-1``, when ``C_s > 0``) is watched the same way, always (it
+never trains); a cell's dead engine sends its executions to the pool first, as a role switch does.
+After ``max_restarts`` restarts of one engine the watchdog raises, which fails the run.
 """
 
 from __future__ import annotations
@@ -96,41 +98,50 @@ class EngineWatchdog:
         """What a restarted engine's client and serving side need (the run's engine key)."""
         self.restarts: list[EngineRestart] = []
         self.orch: Any = None
-        self._ready: list[asyncio.Event] = []
+        self._ready: dict[int, asyncio.Event] = {}
 
     # ------------------------------------------------------------------ what the driver uses
 
     def attach(self, orch: Any) -> "EngineWatchdog":
         """Bind to the orchestrator (before :meth:`run`); every engine starts out up."""
         self.orch = orch
-        self._ready = [asyncio.Event() for _ in orch.cells]
-        for e in self._ready:
+        ids = list(range(len(orch.cells))) + ([-1] if getattr(orch, "standalone", None) is not None else [])
+        self._ready = {i: asyncio.Event() for i in ids}
+        for e in self._ready.values():
             e.set()
         return self
 
     def down(self, cell: int) -> bool:
-        """The cell's engine is being replaced right now."""
-        return bool(self._ready) and not self._ready[cell].is_set()
+        """The engine (a cell's, or ``-1``: the standalone pool's) is being replaced right now."""
+        return cell in self._ready and not self._ready[cell].is_set()
 
     async def ready(self, cell: int) -> None:
-        """Return once the cell's engine is up (at once, unless it is being restarted)."""
-        if self._ready:
+        """Return once the engine is up (at once, unless it is being restarted)."""
+        if cell in self._ready:
             await self._ready[cell].wait()
 
     async def run(self) -> None:
         """Watch every cell until cancelled; raises :class:`WatchdogGaveUp` to fail the run."""
         if self.orch is None:
             raise RuntimeError("EngineWatchdog.run before attach(orch)")
-        await asyncio.gather(*(self._watch(cell) for cell in range(len(self.orch.cells))))
+        await asyncio.gather(*(self._watch(cell) for cell in self._ready))
 
     # ------------------------------------------------------------------ detection
 
+    def _handles(self, cell: int) -> Any:
+        """What holds the engine's URL and serving side: the cell, or the standalone pool."""
+        return self.orch.standalone if cell < 0 else self.orch.cells[cell]
+
+    @staticmethod
+    def _name(cell: int) -> str:
+        return "the standalone pool" if cell < 0 else f"cell {cell}"
+
     def _in_rollout(self, cell: int) -> bool:
-        return bool(self.orch._engine_role[cell] == "rollout")
+        return cell < 0 or bool(self.orch._engine_role[cell] == "rollout")
 
     async def _healthy(self, cell: int) -> bool:
         """One bounded ``/health_generate`` (client's ``health`` or the serving side's ``ahealth``)."""
-        c = self.orch.cells[cell]
+        c = self._handles(cell)
         client = None
         try:
             client = self.orch.proxy.router.slot(c.engine_url).client
@@ -155,14 +166,14 @@ class EngineWatchdog:
             if not self._in_rollout(cell):
                 fails, last_health = 0, time.monotonic()
                 continue
-            url = self.orch.cells[cell].engine_url
+            url = self._handles(cell).engine_url
             reason = None
             if self.alive is not None and self.alive(cell) is False:
                 reason = "engine process exited"
             elif time.monotonic() - last_health >= self.health_every_s:
                 last_health = time.monotonic()
                 ok = await self._healthy(cell)
-                if not self._in_rollout(cell) or url != self.orch.cells[cell].engine_url:
+                if not self._in_rollout(cell) or url != self._handles(cell).engine_url:
                     fails = 0  # it changed role meanwhile: that check says nothing
                     continue
                 fails = 0 if ok else fails + 1
@@ -177,25 +188,27 @@ class EngineWatchdog:
 
     async def _recover(self, cell: int, reason: str) -> None:
         orch = self.orch
-        c = orch.cells[cell]
+        c = self._handles(cell)
+        name = self._name(cell)
         if sum(1 for r in self.restarts if r.cell == cell) >= self.max_restarts:
-            raise WatchdogGaveUp(f"engine of cell {cell} ({c.engine_url}) failed again ({reason}) "
+            raise WatchdogGaveUp(f"engine of {name} ({c.engine_url}) failed again ({reason}) "
                                  f"after {self.max_restarts} restart(s)")
         self._ready[cell].clear()
         old_url = c.engine_url
-        others = [x.engine_url for x in orch.cells
-                  if x.index != cell and self._in_rollout(x.index) and not self.down(x.index)]
+        pool = [orch.standalone.engine_url] if cell >= 0 and -1 in self._ready and not self.down(-1) else []
+        others = pool + [x.engine_url for x in orch.cells
+                         if x.index != cell and self._in_rollout(x.index) and not self.down(x.index)]
         moved = orch.proxy.reroute(old_url, others)
         rec = EngineRestart(cell, old_url, reason, orch.now(), len(moved.moved))
         self.restarts.append(rec)
-        msg = (f"engine of cell {cell} at {old_url} is down ({reason}): {len(moved.moved)} execution(s) "
+        msg = (f"engine of {name} at {old_url} is down ({reason}): {len(moved.moved)} execution(s) "
                f"moved to {sorted(set(moved.moved.values())) or 'nowhere yet'}; restarting it")
         log.warning(msg)
         self.progress(msg)
         try:
             engine = await self.restart(cell)
         except Exception as e:
-            raise WatchdogGaveUp(f"engine of cell {cell} could not be restarted: {type(e).__name__}: {e}") from e
+            raise WatchdogGaveUp(f"engine of {name} could not be restarted: {type(e).__name__}: {e}") from e
         new_url = str(engine.url)
         old_slot = orch.proxy.router.slot(old_url)
         client = orch.pm.hook.gyre_make_engine_client(url=new_url, options=dict(self.engine_options))
@@ -221,7 +234,7 @@ class EngineWatchdog:
             orch.proxy.restore_engine(new_url)
         rec.new_url, rec.back_at, rec.weight_version = new_url, orch.now(), version
         self._ready[cell].set()
-        msg = (f"engine of cell {cell} back at {new_url} (policy version {version}) "
+        msg = (f"engine of {name} back at {new_url} (policy version {version}) "
                f"after {rec.back_at - rec.detected_at:.1f} s")
         log.warning(msg)
         self.progress(msg)
@@ -233,7 +246,7 @@ class EngineWatchdog:
         limit = wait_s if wait_s is not None else 4 * self.interval_s + 1.0
         deadline = time.monotonic() + limit
         while True:
-            if self.down(cell) or self.orch.cells[cell].engine_url != url:
+            if self.down(cell) or self._handles(cell).engine_url != url:
                 return True
             if time.monotonic() >= deadline:
                 return False
