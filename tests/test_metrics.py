@@ -102,3 +102,28 @@ def test_the_wandb_observer_logs_each_step_at_its_step(tmp_path, monkeypatch) ->
     obs.close()
     assert calls[0][0] == "init" and calls[0][1]["mode"] == "offline" and calls[0][1]["dir"] == str(tmp_path / "wandb")
     assert calls[1:] == [("log", 0, {"train/loss": 0.5}), ("log", 1, {"train/loss": 0.25}), ("finish",)]
+
+
+def test_engine_throughput_and_proxy_latency_cover_the_calls_since_the_last_step() -> None:
+    from gyre_core.proxy.call_stats import CallStats
+
+    now = [100.0]
+    stats = CallStats(clock=lambda: now[0])
+    assert stats.drain() == {}  # no call: nothing measured, not zeros
+    for out_tokens, call_s, engine_s in [(10, 1.0, 0.8), (30, 3.0, 2.9), (20, 2.0, 1.5)]:
+        stats.record(output_tokens=out_tokens, call_s=call_s, engine_s=engine_s)
+    now[0] = 104.0
+    m = stats.drain()
+    assert m["engines/calls"] == 3 and m["engines/output_tokens"] == 60
+    assert m["engines/output_tokens_per_s"] == pytest.approx(60 / 4.0)
+    assert m["engines/tokens_per_engine_s"] == pytest.approx(60 / 5.2)
+    assert m["proxy/call_latency_mean_s"] == pytest.approx(2.0)
+    assert m["proxy/call_latency_p50_s"] == 2.0 and m["proxy/call_latency_p95_s"] == 3.0
+    assert m["proxy/overhead_mean_s"] == pytest.approx((0.2 + 0.1 + 0.5) / 3)
+    now[0] = 110.0
+    assert stats.drain() == {}  # the window restarted at the last drain
+    stats.record(output_tokens=12, call_s=0.5, engine_s=0.5)
+    now[0] = 112.0
+    assert stats.drain()["engines/output_tokens_per_s"] == pytest.approx(12 / 2.0)
+    named = step_metrics(RECORD, call_stats={"engines/calls": 3.0, "proxy/call_latency_p95_s": 3.0, "other": 1.0})
+    assert named["engines/calls"] == 3.0 and named["proxy/call_latency_p95_s"] == 3.0 and "other" not in named

@@ -93,3 +93,31 @@ def test_an_empty_run_still_draws(tmp_path) -> None:
     write_role_timeline_svg(path, [], n_cells=1, end_s=0.0, title="nothing")
     texts = [t.text for t in ET.parse(path).getroot().iter(f"{SVG}text")]
     assert "core" in texts and "nothing" in texts
+
+
+@pytest.mark.parametrize("end_s, unit, top_tick", [(120.0, "s", 120), (1800.0, "min", 30), (36000.0, "h", 10)])
+def test_the_time_axis_unit_fits_the_runs_length(tmp_path, end_s: float, unit: str, top_tick: float) -> None:
+    path = tmp_path / "t.svg"
+    write_role_timeline_svg(path, [(0, "rollout", 0.0, end_s)], n_cells=1, end_s=end_s, title="t")
+    texts = [t.text for t in ET.parse(path).getroot().iter(f"{SVG}text")]
+    assert f"time ({unit})" in texts
+    ticks = [float(t) for t in texts if t and t.replace(".", "", 1).isdigit()]
+    assert max(ticks) == top_tick
+
+
+def test_steps_and_publications_are_drawn_where_they_happened(tmp_path) -> None:
+    path = tmp_path / "t.svg"
+    steps = [(0, 10.0, 30.0), (1, 50.0, 80.0)]
+    write_role_timeline_svg(path, [(0, "training", 10.0, 30.0), (1, "rollout", 0.0, 100.0)], n_cells=2,
+                            end_s=100.0, title="t", steps=steps, publications=[(1, 32.0), (2, 82.0)])
+    root = ET.parse(path).getroot()
+    boxes = {int(r.get("data-step")): r for r in root.iter(f"{SVG}rect") if r.get("data-step")}
+    assert sorted(boxes) == [0, 1]
+    training = next(r for r in root.iter(f"{SVG}rect") if r.get("fill") == ROLE_COLOURS["training"])
+    assert boxes[0].get("x") == training.get("x") and boxes[0].get("width") == training.get("width")
+    lines = {int(ln.get("data-version")): float(ln.get("x1")) for ln in root.iter(f"{SVG}line") if ln.get("data-version")}
+    assert sorted(lines) == [1, 2] and lines[1] < float(boxes[1].get("x")) < lines[2]
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "steps" in texts and "v1" in texts and "v2" in texts
+    with pytest.raises(ValueError, match="steps"):
+        write_role_timeline_svg(path, [], n_cells=1, end_s=1.0, title="t", steps=[(0, 2.0, 1.0)])

@@ -167,7 +167,15 @@ def build_tiny_model(
         torch_dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" for one shard says nothing
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     gen = {"eos_token_id": [config.eos_token_id], "pad_token_id": tok.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out

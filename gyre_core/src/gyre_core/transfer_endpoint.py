@@ -99,12 +99,17 @@ class MooncakeEndpoint:
 
 def start_transfer_engine(endpoint: MooncakeEndpoint) -> Any:
     """A Mooncake ``TransferEngine`` in peer-to-peer handshake mode, listening on ``endpoint``."""
+    from gyre_core.upstream_noise import mooncake_quiet_env, native_stderr_filtered
+
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", endpoint.host)
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    mooncake_quiet_env()
     from mooncake.engine import TransferEngine
 
-    engine = TransferEngine()
-    rc = engine.initialize(endpoint.host, "P2PHANDSHAKE", endpoint.protocol, endpoint.device)
+    with native_stderr_filtered() as printed:
+        engine = TransferEngine()
+        rc = engine.initialize(endpoint.host, "P2PHANDSHAKE", endpoint.protocol, endpoint.device)
     if rc != 0:
-        raise RuntimeError(f"Mooncake TransferEngine.initialize({endpoint.host!r}, {endpoint.protocol!r}) failed ({rc})")
+        said = "; ".join(line for line in printed if line.strip())[-2000:]
+        raise RuntimeError(f"Mooncake TransferEngine.initialize({endpoint.host!r}, {endpoint.protocol!r}) failed ({rc})"
+                           + (f": {said}" if said else ""))
     return engine

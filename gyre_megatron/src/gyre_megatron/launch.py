@@ -186,7 +186,10 @@ class World(_Ranks):
 
     def _dead(self, rank: int) -> str | None:
         p = self.procs[rank]
-        return None if p.is_alive() else f"rank {rank} exit code {p.exitcode}"
+        if p.is_alive():
+            return None
+        where = f" (its output: {os.path.join(self.opts.log_dir, f'rank{rank}.log')})" if self.opts.log_dir else ""
+        return f"rank {rank} exit code {p.exitcode}{where}"
 
     def close(self, timeout: float = 10.0) -> None:
         for r, p in enumerate(self.procs):

@@ -19,6 +19,9 @@ MOONCAKE_FIX = ("install the system package libibverbs1 (as root: apt-get instal
 
 def mooncake_problem() -> str | None:
     """Why Mooncake's transfer engine cannot be loaded here, or ``None`` when it can."""
+    from gyre_core.upstream_noise import mooncake_quiet_env
+
+    mooncake_quiet_env()  # its log level is read once, at this first import
     try:
         importlib.import_module("mooncake.engine")
     except ModuleNotFoundError as exc:

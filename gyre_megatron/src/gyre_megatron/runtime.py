@@ -80,6 +80,10 @@ class RankOptions:
     """Each rank's Mooncake endpoint for satellite joins: ``protocol``, ``device``, ``host``
     (empty: every rank advertises its own node's address, see
     :func:`gyre_core.transfer_endpoint.advertised_host`), ``peer`` (the host it must reach)."""
+    log_dir: str = ""
+    """A folder for ``rank<N>.log``: a rank the orchestrator spawns writes its stdout and stderr
+    there (upstream notices, native logs), as each engine does to ``engine<N>.log``. Empty: the
+    rank keeps its parent's console."""
 
 
 class CellRank(RankChecks):
@@ -492,6 +496,18 @@ def _owned(obj: Any) -> Any:
     return obj
 
 
+def log_to(path: str) -> None:
+    """Point this process's stdout and stderr (the descriptors, so native code too) at ``path``."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def worker_main(
     rank: int, world: int, port: int, opts: RankOptions, queues: Sequence[Any], cmd_q: Any, res_q: Any
 ) -> None:
@@ -499,6 +515,8 @@ def worker_main(
     from gyre_core.procutil import die_with_parent
 
     die_with_parent()  # an orchestrator killed outright must not leave ranks behind
+    if opts.log_dir:  # before megatron-core is imported: its notices go to the log, not the console
+        log_to(os.path.join(opts.log_dir, f"rank{rank}.log"))
     serve_rank(rank, world, f"tcp://127.0.0.1:{port}", opts, queues, cmd_q, res_q)
 
 

@@ -51,7 +51,7 @@ def _world_for(options: Mapping[str, Any]) -> Any:
                 heartbeat_s=float(options.get("heartbeat_s", 0.5)),
                 normalise_by_tokens=bool(options.get("normalise_by_tokens", True)), init_from=init_from,
                 objective=tuple(float(x) for x in options.get("objective", (5.0, 0.005, 0.005))),  # type: ignore[arg-type]
-                mooncake=dict(options.get("mooncake") or {}),
+                mooncake=dict(options.get("mooncake") or {}), log_dir=str(options.get("log_dir") or ""),
             )
             n_queues = int(options.get("max_steps", 16))
             launcher = str(options.get("launcher", "local"))

@@ -3,7 +3,9 @@
 Names are ``section/figure`` so TensorBoard and W&B group them: ``train/`` (the GSPO update the
 core applied), ``rollout/`` (rewards and staleness of the groups it trained on), ``executions/``
 (how many are in each state now), ``switch/`` (role-switch phase times since the previous step),
-``calls/`` (calls interrupted by role changes and what became of them), ``publication/``. A
+``calls/`` (calls interrupted by role changes and what became of them), ``publication/``,
+``engines/`` and ``proxy/`` (generated tokens per second and call latency since the previous
+step, from :class:`gyre_core.proxy.call_stats.CallStats`). A
 figure that was not measured (no trainable token, nothing switched) is left out, never sent as 0.
 """
 
@@ -33,6 +35,7 @@ def step_metrics(
     switches: Sequence[Mapping[str, Any]] = (),
     interrupted_calls: Mapping[str, Any] | None = None,
     publication: Mapping[str, Any] | None = None,
+    call_stats: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
     """The scalars of one step: ``record`` is the step's entry of the summary's ``step_records``,
     ``switches`` the role switches that finished since the previous step."""
@@ -60,4 +63,7 @@ def step_metrics(
         _put(out, f"calls/{k}", v)
     for k in ("export_s", "load_s"):
         _put(out, f"publication/{k}", (publication or {}).get(k))
+    for k, v in (call_stats or {}).items():
+        if k.startswith(("engines/", "proxy/")):
+            _put(out, k, v)
     return out

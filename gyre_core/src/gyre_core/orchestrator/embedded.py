@@ -34,6 +34,7 @@ from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.status_line import StatusLine
 from gyre_core.orchestrator.watchdog import EngineWatchdog
+from gyre_core.upstream_noise import upstream_log_file
 
 __all__ = ["run_live"]
 
@@ -183,7 +184,9 @@ def run_live(
     engines: list[Any] = []
     t0 = time.monotonic()
     observers: list[Any] = []
+    quiet = contextlib.ExitStack()
     try:
+        quiet.enter_context(upstream_log_file(out / "upstream.log"))
         observers = open_observers(cfg.metrics, out, pm, cfg.as_dict())
         return asyncio.run(_run(cfg, out, pm, engines, say, t0, on_started, replay, status))
     except Exception as exc:  # one line per cause for the console; every traceback to error.log
@@ -203,6 +206,7 @@ def run_live(
             from gyre_megatron.side import shutdown_worlds
 
             shutdown_worlds()
+        quiet.close()
 
 
 async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Callable[[str], None], t0: float,
@@ -226,6 +230,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
                   # one micro-step queue per step, plus the re-streams of steps that lost a cell
                   "max_steps": cfg.run.steps + 8, "publish_dir": str(out / "weights"),
+                  "log_dir": str(out.resolve()),  # rank<N>.log, beside the engines' logs
                   "step_timeout_s": cfg.training.step_timeout_s, "data_timeout_s": cfg.training.collective_timeout_s,
                   # the GSPO objective's W_t already normalise per execution: no division by tokens
                   "normalise_by_tokens": False,
@@ -441,11 +446,15 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
                    model_dir: Path) -> None:
     from gyre_core.simulator.timeline import write_role_timeline_svg
 
-    end = max((i[3] for i in orch.role_intervals), default=0.0)
+    steps = [(int(r["step"]), float(r["started_s"]), float(r["ended_s"])) for r in orch.step_records
+             if "started_s" in r and "ended_s" in r]
+    pubs = [(int(p["version"]), float(p["at_s"])) for p in orch.publications if "at_s" in p]
+    end = max([i[3] for i in orch.role_intervals] + [b for _, _, b in steps] + [t for _, t in pubs], default=0.0)
     intervals = [(c, r, a, b) for c, r, a, b in orch.role_intervals]
     try:
         write_role_timeline_svg(out / "role_timeline.svg", intervals, len(orch.cells), end,
-                                f"Gyre live run ({cfg.scheduler.mode.value}), {summary['steps']} steps")
+                                f"Gyre live run ({cfg.scheduler.mode.value}), {summary['steps']} steps",
+                                steps=steps, publications=pubs)
         summary["timeline"] = str(out / "role_timeline.svg")
     except Exception as e:  # a picture must not cost the run's results
         log.warning("role timeline not written: %s", e)

@@ -175,7 +175,8 @@ class StepsMixin:
         rec = {"step": st.step, "groups": list(st.groups), "staleness": list(st.staleness),
                "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
                "executions": len(rewards), "cells": sorted(infos),
-               "duration_s": round(self.now() - st.started, 3), "micro_steps": st.packing.micro_steps,
+               "duration_s": round(self.now() - st.started, 3), "started_s": round(st.started, 3),
+               "ended_s": round(self.now(), 3), "micro_steps": st.packing.micro_steps,
                "split_executions": st.packing.split_executions,
                "joins": _joins([(c, infos[c]) for c in sorted(infos) if c]),
                **training_figures([infos[c] for c in sorted(infos)])}
@@ -194,9 +195,11 @@ class StepsMixin:
     def _report_metrics(self, rec: dict[str, Any]) -> None:
         """The step's figures to the ``gyre_on_metrics`` observers (TensorBoard, W&B, plugins)."""
         mark = getattr(self, "_metrics_switch_mark", 0)
+        stats = getattr(self.proxy, "call_stats", None)
         metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.role_switches[mark:],
                                interrupted_calls=self._interrupted_calls(),
-                               publication=self.publications[-1] if self.publications else None)
+                               publication=self.publications[-1] if self.publications else None,
+                               call_stats=stats.drain() if stats is not None else None)
         self._metrics_switch_mark = len(self.role_switches)
         try:
             self.pm.hook.gyre_on_metrics(step=int(rec["step"]), metrics=metrics)
@@ -256,7 +259,8 @@ class StepsMixin:
         if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
             await asyncio.to_thread(self.publisher.release_older_than, previous.version)
         self.publications.append({"version": version, "transport": "disk" if self.publisher is None else "mooncake",
-                                  "export_s": round(exported - t0, 4), "load_s": round(self.now() - exported, 4)})
+                                  "export_s": round(exported - t0, 4), "load_s": round(self.now() - exported, 4),
+                                  "at_s": round(self.now(), 3)})
         if self.journal is not None:
             self.journal.write("published", version=version, location=ref.location)
         self.progress(f"published policy version {version}")

@@ -90,6 +90,7 @@ from gyre_core.interfaces import (
     KVHandOffEngine,
     RoleClass,
 )
+from gyre_core.proxy.call_stats import CallStats
 from gyre_core.proxy.classify import classify_metadata, request_role_metadata
 from gyre_core.proxy.context_index import Match, answer_tail
 from gyre_core.proxy.interruptions import HandOffs, join, may_continue, remaining_params, settle
@@ -273,6 +274,7 @@ class ProxyService:
                        "continuation_fallbacks": 0}
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-prepare")
         self.handoffs = HandOffs()
+        self.call_stats = CallStats()  # engine throughput and proxy latency, drained per step
         """Interrupted calls: KV hand-offs, continuations, re-prefills (the run summary's figures)."""
 
     # -- engines ---------------------------------------------------------------------------------
@@ -515,6 +517,8 @@ class ProxyService:
             "summary_request": bool(request_role_metadata(request).get("summary_request")),
         }
         finished = time.time()
+        self.call_stats.record(output_tokens=len(result.output_ids), call_s=max(0.0, finished - started),
+                               engine_s=engine_s)
 
         def make_record(node_id: int) -> CallRecord:
             return CallRecord(

@@ -2,7 +2,9 @@
 
 Hand-written SVG rather than matplotlib: the core must not depend on a plotting stack, and the
 picture is a handful of rectangles. One row per cell (cell 0 is the core cell, the others are
-satellites), time in hours on the x axis, one colour per role.
+satellites), one colour per role, and optionally a band of training steps above the rows and a
+dashed line per weight publication. The time axis is in seconds, minutes or hours, whichever fits
+the run (:func:`time_unit`): a two-minute CPU run and a two-day cluster run both read naturally.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ def training_shares(intervals: Sequence[Interval], n_cells: int, end_s: float) -
     return shares
 
 
+def time_unit(span_s: float) -> tuple[str, float]:
+    """The axis unit for a run of ``span_s`` seconds: (label, seconds per unit)."""
+    if span_s < 300:
+        return "s", 1.0
+    if span_s < 2 * 3600:
+        return "min", 60.0
+    return "h", 3600.0
+
+
 def _tick_step_h(span_h: float, max_ticks: int = 12) -> float:
     """A 1-2-2.5-5 × 10^k step giving at most ``max_ticks`` intervals over the span."""
     raw = span_h / max_ticks
@@ -88,14 +99,27 @@ def write_role_timeline_svg(
     n_cells: int,
     end_s: float,
     title: str,
+    *,
+    steps: Sequence[tuple[int, float, float]] = (),
+    publications: Sequence[tuple[int, float]] = (),
 ) -> None:
-    """Write a Gantt-style picture: one row per cell, x axis in hours with ticks, a legend.
+    """Write a Gantt-style picture: one row per cell, a time axis with ticks, a legend.
 
     Switching phases last seconds against hours of rollout and training, so they are drawn on top
-    and at least one pixel wide: every switch stays visible as a thin mark.
+    and at least one pixel wide: every switch stays visible as a thin mark. ``steps`` are
+    ``(step, start_s, end_s)`` of each training step, drawn as a band above the cells;
+    ``publications`` are ``(version, at_s)``, drawn as a dashed line through the rows.
     """
     _check(intervals, n_cells, end_s)
-    left, right, top, row_h, gap = 72, 24, 44, 20, 4
+    for i, (_, a, b) in enumerate(steps):
+        if not (math.isfinite(a) and math.isfinite(b) and b >= a):
+            raise ValueError(f"steps[{i}]: need finite start_s ≤ end_s, got {a!r}, {b!r}")
+    for i, (_, at) in enumerate(publications):
+        if not math.isfinite(at):
+            raise ValueError(f"publications[{i}]: need a finite time, got {at!r}")
+    band = bool(steps)
+    left, right, row_h, gap = 72, 24, 20, 4
+    top = 44 + (row_h + gap if band else 0) + (14 if publications else 0)
     plot_w = 860
     width = left + plot_w + right
     rows_h = n_cells * (row_h + gap) - gap
@@ -103,7 +127,8 @@ def write_role_timeline_svg(
     legend_y = axis_y + 60
     height = legend_y + 24
     span_s = end_s if end_s > 0 else 1.0
-    span_h = span_s / 3600.0
+    unit, per = time_unit(span_s)
+    span_u = span_s / per
 
     def x(t: float) -> float:
         return left + plot_w * min(max(t, 0.0), span_s) / span_s
@@ -119,16 +144,29 @@ def write_role_timeline_svg(
         f'<text x="{left}" y="24" font-size="15">{escape(title)}</text>',
     ]
     # ticks and vertical grid lines first, so rectangles sit on top of the grid
-    step_h = _tick_step_h(span_h)
-    n_ticks = int(math.floor(span_h / step_h + 1e-9))
+    step_u = _tick_step_h(span_u)
+    n_ticks = int(math.floor(span_u / step_u + 1e-9))
     for i in range(n_ticks + 1):
-        tick_h = i * step_h
-        tx = x(tick_h * 3600.0)
+        tick = i * step_u
+        tx = x(tick * per)
         out.append(f'<line x1="{tx:.2f}" y1="{top}" x2="{tx:.2f}" y2="{axis_y}" stroke="#dddddd"/>')
         out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="black"/>')
-        out.append(f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{tick_h:g}</text>')
+        out.append(f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{round(tick, 9):g}</text>')
     out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="black"/>')
-    out.append(f'<text x="{left + plot_w / 2:.1f}" y="{axis_y + 34}" text-anchor="middle">time (h)</text>')
+    out.append(f'<text x="{left + plot_w / 2:.1f}" y="{axis_y + 34}" text-anchor="middle">time ({unit})</text>')
+
+    if band:  # training steps: one box each, above the cells
+        by = top - row_h - gap
+        out.append(f'<text x="{left - 8}" y="{by + row_h * 0.7:.1f}" text-anchor="end">steps</text>')
+        for step, a, b in steps:
+            x0, x1 = x(a), x(b)
+            tip = f"step {step}: {a / per:.3g}–{b / per:.3g} {unit}"
+            out.append(f'<rect x="{x0:.2f}" y="{by}" width="{max(x1 - x0, 1.0):.2f}" height="{row_h}" '
+                       f'fill="{"#bab0ac" if step % 2 else "#d7d2cf"}" stroke="#79706e" stroke-width="0.5" '
+                       f'data-step="{step}"><title>{escape(tip)}</title></rect>')
+            if x1 - x0 >= 14:
+                out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{by + row_h * 0.7:.1f}" text-anchor="middle" '
+                           f'font-size="10">{step}</text>')
 
     for cell in range(n_cells):
         y = row_y(cell)
@@ -142,11 +180,19 @@ def write_role_timeline_svg(
             continue
         x0, x1 = x(lo), x(hi)
         w = max(x1 - x0, 1.0 if role in _SWITCHING else 0.2)
-        tip = f"{cell_label(cell)}: {role} {start / 3600:.3f}–{end / 3600:.3f} h"
+        tip = f"{cell_label(cell)}: {role} {start / per:.4g}–{end / per:.4g} {unit}"
         out.append(
             f'<rect x="{x0:.2f}" y="{row_y(cell)}" width="{w:.2f}" height="{row_h}" '
             f'fill="{ROLE_COLOURS[role]}"><title>{escape(tip)}</title></rect>'
         )
+
+    for version, at in publications:  # each publication: a dashed line through every row
+        px = x(at)
+        out.append(f'<line x1="{px:.2f}" y1="{top - (row_h + gap if band else 0) - 4}" x2="{px:.2f}" y2="{axis_y}" '
+                   f'stroke="#b07aa1" stroke-dasharray="3,2" data-version="{version}">'
+                   f'<title>{escape(f"published v{version} at {at / per:.3g} {unit}")}</title></line>')
+        out.append(f'<text x="{px:.2f}" y="{top - (row_h + gap if band else 0) - 6}" text-anchor="middle" '
+                   f'font-size="9" fill="#b07aa1">v{version}</text>')
 
     lx = left
     for role, colour in ROLE_COLOURS.items():

@@ -1,0 +1,89 @@
+"""Keep what upstream libraries print in every healthy run off the console, and nothing else.
+
+Mooncake's C++ log writes ``Local segment descriptor not found`` (and glog's "Logging before
+InitGoogleLogging()" banner) to stderr each time a transfer engine starts, and its INFO lines
+unless ``MC_LOG_LEVEL`` is set *before* ``mooncake.engine`` is first imported (the level is read
+once, at load). None of it tells a user anything. What matches :data:`NOISE` goes to the
+``gyre.upstream`` logger at DEBUG, which a run writes to ``<run>/upstream.log``; any other line a
+native call prints is passed back to stderr untouched, so a real error still shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator, MutableMapping
+
+__all__ = ["NOISE", "is_noise", "mooncake_quiet_env", "native_stderr_filtered", "upstream_log", "upstream_log_file"]
+
+upstream_log = logging.getLogger("gyre.upstream")
+
+NOISE: tuple[re.Pattern[str], ...] = (
+    re.compile(r"Logging before InitGoogleLogging\(\) is written to STDERR"),
+    re.compile(r"transfer_metadata\.cpp:\d+\] Local segment descriptor not found"),
+)
+"""Lines that upstream prints in every healthy run."""
+
+_fd_lock = threading.Lock()
+
+
+def is_noise(line: str) -> bool:
+    return any(p.search(line) for p in NOISE)
+
+
+def mooncake_quiet_env(env: MutableMapping[str, str] | None = None) -> None:
+    """Mooncake logs from ERROR up unless the user chose a level; call before importing it."""
+    (os.environ if env is None else env).setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+@contextlib.contextmanager
+def native_stderr_filtered() -> Iterator[list[str]]:
+    """Capture file descriptor 2 around a native call; yields the list its lines land in.
+
+    Noise goes to :data:`upstream_log`; every other line is written back to stderr on exit. Only
+    native code writes to the descriptor during the (millisecond) call: Python logging from other
+    threads in that window is captured too and passed back with the rest, so nothing is lost."""
+    lines: list[str] = []
+    with _fd_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines.extend(tmp.read().decode("utf-8", "replace").splitlines())
+            kept = []
+            for line in lines:
+                if is_noise(line):
+                    upstream_log.debug("%s", line)
+                else:
+                    kept.append(line)
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+                with contextlib.suppress(Exception):
+                    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def upstream_log_file(path: Path) -> Iterator[None]:
+    """While inside, :data:`upstream_log` writes to ``path`` (and never to the console)."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    upstream_log.addHandler(handler)
+    upstream_log.setLevel(logging.DEBUG)
+    upstream_log.propagate = False
+    try:
+        yield
+    finally:
+        upstream_log.removeHandler(handler)
+        handler.close()
