@@ -21,7 +21,7 @@ log() { echo "setup: $*" >&2; }
 
 venv_ok() {
     [ -x "$VENV/bin/python" ] &&
-        "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null &&
+        "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null &&
         "$VENV/bin/python" -m pip --version >/dev/null 2>&1
 }
 
@@ -33,8 +33,8 @@ if ! venv_ok; then
     else
         py=python3
     fi
-    if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-        log "error: Gyre needs Python >= 3.10, and '$py' is missing or older (set PYTHON=...)"
+    if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        log "error: Gyre needs Python >= 3.11, and '$py' is missing or older (set PYTHON=...)"
         exit 1
     fi
     if [ -e "$VENV" ]; then
@@ -55,7 +55,8 @@ import hashlib, pathlib, sys
 h = hashlib.sha256(sys.version.encode())
 for p in ["gyre_core/pyproject.toml", "gyre_megatron/pyproject.toml", "gyre_sglang/pyproject.toml",
           "requirements-dev.txt", "scripts/setup.sh",
-          "gyre_sglang/install/sglang-cpu-requirements.txt", "gyre_sglang/install/install-sglang-cpu.sh"]:
+          "gyre_sglang/src/gyre_sglang/cpu_patches/sglang-0.5.23-cpu-requirements.txt",
+          "gyre_sglang/src/gyre_sglang/install_cpu.py"]:
     h.update(p.encode() + b"\0" + pathlib.Path(p).read_bytes())
 print(h.hexdigest())
 PY
@@ -76,9 +77,9 @@ rm -f "$STAMP"
 # versions SGLang pins (transformers, tokenizers, ...) are resolved together with everything else.
 "$VENV/bin/python" -m pip install "${PIP_QUIET[@]}" \
     -e ./gyre_core -e ./gyre_megatron -e ./gyre_sglang -r requirements-dev.txt \
-    -r gyre_sglang/install/sglang-cpu-requirements.txt
+    -r gyre_sglang/src/gyre_sglang/cpu_patches/sglang-0.5.23-cpu-requirements.txt
 # SGLang itself for its CPU engine (the real server the sglang-marked tests start).
-log "installing SGLang for CPU (gyre_sglang/install/install-sglang-cpu.sh)"
-gyre_sglang/install/install-sglang-cpu.sh "$VENV/bin/python"
+log "installing SGLang for CPU (gyre-sglang-install-cpu)"
+"$VENV/bin/gyre-sglang-install-cpu"
 echo "$fingerprint" >"$STAMP"
 log "done"

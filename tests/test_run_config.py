@@ -108,3 +108,15 @@ def test_built_in_task_instances_are_deterministic_per_group() -> None:
     assert a.as_extra()["turns"] == 2 and a.prompt == b.prompt
     assert (a.secret, c.secret) != (None, None)
     assert pm.hook.gyre_task_instance(task="other", group_id=0, seed=0, options={}) is None
+
+
+def test_version_names_gyre_and_what_it_found(capsys) -> None:
+    from gyre_core import __version__
+    from gyre_core.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--version"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"gyre-orchestrate {__version__}")
+    assert any(line.strip().startswith("torch ") for line in lines[1:])

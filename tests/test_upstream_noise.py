@@ -37,3 +37,24 @@ def test_the_users_mooncake_log_level_wins() -> None:
     env = {}
     mooncake_quiet_env(env)
     assert env["MC_LOG_LEVEL"] == "ERROR"
+
+
+def test_a_run_sends_upstream_noise_to_its_log_and_keeps_other_warnings(tmp_path, monkeypatch) -> None:
+    import warnings
+
+    from gyre_core.upstream_noise import upstream_log, upstream_log_file
+
+    console: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *a, **k: console.append(str(message)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with upstream_log_file(tmp_path / "upstream.log"):
+            warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+            warnings.warn("checkpoint format is deprecated")
+            upstream_log.debug("%s", SEGMENT)
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+    assert console[0] == "checkpoint format is deprecated"
+    assert len(console) == 2 and console[1].startswith("Transformer Engine")  # only the one outside the run
+    logged = (tmp_path / "upstream.log").read_text()
+    assert "Transformer Engine and Apex are not installed" in logged and SEGMENT in logged
+    assert "deprecated" not in logged

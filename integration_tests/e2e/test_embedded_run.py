@@ -29,6 +29,13 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # a healthy run's console holds Gyre's lines only: upstream's every-run notices went to the logs
+    for noise in ("Local segment descriptor not found", "InitGoogleLogging", "Transformer Engine and Apex",
+                  "Writing model shards", "transfer_engine_impl.cpp"):
+        assert noise not in proc.stderr, noise
+    assert "Local segment descriptor not found" in (out / "upstream.log").read_text()
+    assert "Transformer Engine and Apex" in (out / "upstream.log").read_text()
+    assert (out / "rank0.log").exists() and (out / "rank1.log").exists()
 
     assert summary["steps"] == 3
     assert len(summary["rewards"]) == 3 and all(r is None or 0.0 <= r <= 1.0 for r in summary["rewards"])

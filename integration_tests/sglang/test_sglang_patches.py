@@ -1,4 +1,4 @@
-"""Gyre's SGLang CPU patch (patches/sglang/): version gate, stand-ins, and that it stays off
+"""Gyre's SGLang CPU patch (gyre_sglang/cpu_patches/): version gate, stand-ins, and that it stays off
 unless asked for. Each check runs in a fresh interpreter so sys.modules starts clean."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from gyre_sglang.server import patches_dir
+from gyre_sglang.server import cpu_patch_site
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(180)]
 pytest.importorskip("sglang")
@@ -24,10 +24,7 @@ def run_py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_select_refuses_unsupported_versions():
     r = run_py(f"""
-        import importlib.util, sys
-        root = {str(patches_dir() / "sglang")!r}
-        spec = importlib.util.spec_from_file_location("p", root + "/__init__.py", submodule_search_locations=[root])
-        m = importlib.util.module_from_spec(spec); sys.modules["p"] = m; spec.loader.exec_module(m)
+        import gyre_sglang.cpu_patches as m
         assert m.select("0.5.23").TARGET.contains("0.5.23")
         for bad in ("0.5.22", "0.5.24", "0.6.0"):
             try:
@@ -45,7 +42,7 @@ def test_select_refuses_unsupported_versions():
 
 
 def test_site_hook_installs_stand_ins_only_when_asked():
-    site = str(patches_dir() / "sglang" / "site")
+    site = str(cpu_patch_site())
     probe = """
         import importlib.util, sys
         missing = [m for m in ("sgl_kernel",) if importlib.util.find_spec(m) is None]
@@ -66,7 +63,7 @@ def test_site_hook_installs_stand_ins_only_when_asked():
     assert off.returncode == 0, off.stderr
     assert "missing=sgl_kernel" in off.stdout
 
-    on = run_py(probe, PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH=str(patches_dir()))
+    on = run_py(probe, PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH="1")
     assert on.returncode == 0, on.stderr
     assert on.stdout.splitlines()[0] == "missing="
     assert "scalar_type-absent" in on.stdout

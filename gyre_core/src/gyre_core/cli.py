@@ -19,8 +19,41 @@ from gyre_core.config import ConfigError, Mode, SchedulerConfig
 from gyre_core.scheduler.burst import solve_burst
 
 
+def _version_text() -> str:
+    """``gyre-orchestrate 0.1.0`` and one line per Gyre plugin and upstream part installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist: str) -> str | None:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    from gyre_core import __version__
+
+    lines = [f"gyre-orchestrate {__version__} (gyre-core {v('gyre-core') or __version__})"]
+    for dist in ("gyre-megatron", "gyre-sglang", "megatron-core", "sglang", "mooncake-transfer-engine-non-cuda",
+                 "mooncake-transfer-engine", "torch"):
+        if (found := v(dist)) is not None:
+            lines.append(f"  {dist} {found}")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    """``--version`` printed as written (argparse's own action re-wraps it into one paragraph)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kwargs.get("help"))  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(_version_text())
+        parser.exit()
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gyre-orchestrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print Gyre's distributions and the upstream releases installed beside them, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="race the scheduling modes on a preset or a trace")

@@ -11,7 +11,11 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-__all__ = ["model_problems", "mooncake_problem", "training_side_problems"]
+__all__ = ["SUPPORTED_MEGATRON_CORE", "megatron_core_problem", "model_problems", "mooncake_problem",
+           "training_side_problems"]
+
+SUPPORTED_MEGATRON_CORE = ">=0.13,<0.17"
+"""The releases whose megatron test group runs in CI, each with its CPU patch and compat path."""
 
 MOONCAKE_FIX = ("install the system package libibverbs1 (as root: apt-get install -y libibverbs1; "
                 "without root see the README, 'System packages')")
@@ -37,6 +41,49 @@ def mooncake_problem() -> str | None:
     return None
 
 
+def _located_megatron_core_version() -> str | None:
+    """The installed megatron-core's version, read from ``package_info.py`` without importing the
+    package (a source checkout on ``PYTHONPATH`` has no distribution metadata)."""
+    import ast
+
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    info = Path(next(iter(spec.submodule_search_locations))) / "package_info.py"
+    fields: dict[str, object] = {}
+    try:
+        for node in ast.parse(info.read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                if isinstance(node.value, ast.Constant):
+                    fields[node.targets[0].id] = node.value.value
+    except (OSError, SyntaxError):
+        return None
+    if not all(isinstance(fields.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
+        return None
+    return f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE') or ''}"
+
+
+def megatron_core_problem(version: str | None = None) -> str | None:
+    """Why the installed megatron-core release cannot be used, or ``None`` when it can.
+
+    Each supported release has its own compat path and CPU patch and runs the megatron tests; a
+    newer one is refused here, at start, instead of failing somewhere inside a training step."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = version if version is not None else _located_megatron_core_version()
+    if version is None:
+        return None  # not found, or unreadable: the import check reports it
+    try:
+        ok = Version(version) in SpecifierSet(SUPPORTED_MEGATRON_CORE, prereleases=True)
+    except InvalidVersion:
+        return f"megatron-core: cannot read its version ({version!r})"
+    if ok:
+        return None
+    return (f"megatron-core {version}: this gyre-megatron supports 0.13.x to 0.16.x "
+            f"(pip install 'megatron-core{SUPPORTED_MEGATRON_CORE}', or a gyre-megatron release that supports {version})")
+
+
 def model_problems(model_dir: str) -> list[str]:
     """Why the training side cannot start from the HF checkpoint ``model_dir`` (empty: it can)."""
     from gyre_megatron.hf_import import UnsupportedModel, spec_from_hf_dir
@@ -55,13 +102,15 @@ def training_side_problems(cells: int, model_dir: str = "") -> list[str]:
     problems: list[str] = []
     if model_dir and (Path(model_dir) / "config.json").is_file():  # a missing one is the core's to report
         problems.extend(model_problems(model_dir))
-    for mod, fix in (("torch", "pip install torch"), ("megatron.core", "pip install 'megatron-core>=0.13,<0.17'")):
+    for mod, fix in (("torch", "pip install torch"), ("megatron.core", f"pip install 'megatron-core{SUPPORTED_MEGATRON_CORE}'")):
         try:
             found = importlib.util.find_spec(mod) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
             problems.append(f"{mod}: not installed ({fix})")
+        elif mod == "megatron.core" and (p := megatron_core_problem()):
+            problems.append(p)
     if cells > 1:  # satellites join a running step by pulling the core's weights over Mooncake
         p = mooncake_problem()
         if p:

@@ -98,7 +98,7 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
         found = False
     if not found:
         return [f"SGLang: not installed (pip install 'sglang{SUPPORTED_SGLANG}'; on a machine without CUDA "
-                "use gyre_sglang/install/install-sglang-cpu.sh)"]
+                "run gyre-sglang-install-cpu)"]
     try:
         version("sglang")
     except PackageNotFoundError:

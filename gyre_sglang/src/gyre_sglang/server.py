@@ -28,7 +28,7 @@ from gyre_core.procutil import die_with_parent
 if TYPE_CHECKING:
     from gyre_sglang.client import SGLangClient
 
-__all__ = ["SGLangServer", "ServerStartError", "free_port", "patches_dir"]
+__all__ = ["SGLangServer", "ServerStartError", "cpu_patch_site", "free_port"]
 
 
 class ServerStartError(RuntimeError):
@@ -46,12 +46,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def patches_dir() -> Path:
-    """The repository's ``patches/`` folder (``GYRE_PATCHES_DIR`` overrides)."""
-    env = os.environ.get("GYRE_PATCHES_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "patches"
+def cpu_patch_site() -> Path:
+    """The folder whose ``sitecustomize`` applies :mod:`gyre_sglang.cpu_patches` in a server's processes."""
+    return Path(__file__).resolve().parent / "cpu_patches" / "site"
 
 
 def _cuda_available() -> bool:
@@ -131,8 +128,8 @@ class SGLangServer:
         env["GYRE_SGLANG_PLUGIN"] = "1"
         env["GYRE_ENGINE_KEY"] = str(self.api_key)
         if not _cuda_available():
-            site = patches_dir() / "sglang" / "site"
-            env["GYRE_SGLANG_CPU_PATCH"] = str(patches_dir())
+            site = cpu_patch_site()
+            env["GYRE_SGLANG_CPU_PATCH"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
