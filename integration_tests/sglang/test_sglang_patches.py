@@ -26,7 +26,8 @@ def test_select_refuses_unsupported_versions():
     r = run_py(f"""
         import gyre_sglang.cpu_patches as m
         assert m.select("0.5.23").TARGET.contains("0.5.23")
-        for bad in ("0.5.22", "0.5.24", "0.6.0"):
+        assert m.select("0.5.22").TARGET.contains("0.5.22")
+        for bad in ("0.5.21", "0.5.24", "0.6.0"):
             try:
                 m.select(bad)
             except LookupError as e:

@@ -146,6 +146,25 @@ def test_published_weights_take_effect_and_version_is_reported(server: Any, base
     assert publisher.versions == [2]
 
 
+def test_a_published_policy_changes_what_the_engine_samples(server: Any, base_weights: dict, publisher: Any) -> None:
+    """The same effect seen from the outside only (no ``/weights_checker``, which some SGLang
+    releases answer only on CUDA): the engine reports the new version, and a zero ``lm_head``
+    makes every sampled token's log-prob exactly -ln(vocab)."""
+    assert load(server, publisher.publish(6, base_weights)) == "6"  # whatever earlier tests left
+    _, before, _ = run(_call(server, "generate"))
+    vocab = base_weights["lm_head.weight"].shape[0]
+    assert not all(abs(lp + math.log(vocab)) < 1e-6 for lp in before)
+    zero = dict(base_weights, **{"lm_head.weight": torch.zeros_like(base_weights["lm_head.weight"])})
+    assert load(server, publisher.publish(7, zero)) == "7"
+    _, logprobs, version = run(_call(server, "generate"))
+    assert version == "7"
+    assert all(abs(lp + math.log(vocab)) < 1e-6 for lp in logprobs), logprobs
+    assert load(server, publisher.publish(8, base_weights)) == "8"  # back to the module's base weights
+    _, again, _ = run(_call(server, "generate"))
+    assert again == before
+    publisher.release_older_than(8)
+
+
 def test_partial_publication_changes_only_its_tensors(server: Any, base_weights: dict, publisher: Any) -> None:
     before = run(_call(server, "checksums"))
     head = {"lm_head.weight": base_weights["lm_head.weight"] * 2}

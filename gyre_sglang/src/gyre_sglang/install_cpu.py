@@ -25,6 +25,7 @@ from pathlib import Path
 __all__ = ["NO_DEPS", "SUPPORTED", "main", "requirements_file"]
 
 NO_DEPS: dict[str, tuple[str, ...]] = {
+    "0.5.22": ("sglang==0.5.22", "apache-tvm-ffi==0.1.11", "compressed-tensors==0.18.0"),
     "0.5.23": ("sglang==0.5.23", "apache-tvm-ffi==0.1.11", "compressed-tensors==0.18.0"),
 }
 """Per supported release: what is installed with ``--no-deps`` (SGLang and its pure-Python pins)."""

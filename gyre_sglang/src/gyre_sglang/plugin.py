@@ -100,7 +100,17 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
         return [f"SGLang: not installed (pip install 'sglang{SUPPORTED_SGLANG}'; on a machine without CUDA "
                 "run gyre-sglang-install-cpu)"]
     try:
-        version("sglang")
+        found_version = version("sglang")
     except PackageNotFoundError:
         return ["SGLang: importable but not installed as a distribution (reinstall it with pip)"]
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = Version(found_version) in SpecifierSet(SUPPORTED_SGLANG, prereleases=True)
+    except InvalidVersion:
+        ok = False
+    if not ok:  # the server plugin reaches into SGLang's scheduler: an untested release is refused here
+        return [f"SGLang {found_version}: this gyre-sglang supports 0.5.22 and 0.5.23 "
+                f"(pip install 'sglang{SUPPORTED_SGLANG}', or a gyre-sglang release that supports {found_version})"]
     return []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-VERSION_MODULES = ("sglang_0_5_23",)
+VERSION_MODULES = ("sglang_0_5_22", "sglang_0_5_23")
 
 
 def select(version: str) -> ModuleType:
@@ -25,4 +25,4 @@ def select(version: str) -> ModuleType:
         mod = importlib.import_module(f"{__name__}.{name}")
         if v in mod.TARGET:
             return mod
-    raise LookupError(f"no Gyre CPU patch for sglang {version} (supported: 0.5.23)")
+    raise LookupError(f"no Gyre CPU patch for sglang {version} (supported: 0.5.22, 0.5.23)")

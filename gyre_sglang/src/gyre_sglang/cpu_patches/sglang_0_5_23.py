@@ -65,6 +65,11 @@ def apply(version: str) -> list[str]:
     """Install the stand-ins this machine lacks; returns the names of the modules stood in for."""
     if version not in TARGET:
         raise LookupError(f"patch for sglang {TARGET} cannot apply to {version}")
+    return install_stand_ins()
+
+
+def install_stand_ins() -> list[str]:
+    """The stand-ins themselves, for any release whose ``_platform_stubs`` and imports match 0.5.23's."""
     missing = [m for m in MODULES if m not in sys.modules and importlib.util.find_spec(m) is None]
     if "triton" in missing:
         _install_triton_stub()
