@@ -26,9 +26,17 @@ def test_a_source_checkout_is_read_without_importing_it(tmp_path: Path, monkeypa
     (tmp_path / "megatron" / "__init__.py").write_text("")
     (core / "__init__.py").write_text("raise RuntimeError('importing megatron-core is not needed to read its version')\n")
     (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 0\nPRE_RELEASE = 'rc1'\n")
+    import sys
+
+    def ours() -> dict[str, object]:
+        return {m: sys.modules.pop(m) for m in list(sys.modules) if m == "megatron" or m.startswith("megatron.")}
+
+    real = ours()  # the installed megatron, if a test imported it: put back afterwards
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in __import__("sys").modules if m == "megatron" or m.startswith("megatron.")]:
-        monkeypatch.delitem(__import__("sys").modules, name)
-    assert preflight._located_megatron_core_version() == "0.19.0rc1"
-    problems = preflight.training_side_problems(cells=1)
-    assert any("megatron-core 0.19.0rc1" in p for p in problems), problems
+    try:
+        assert preflight._located_megatron_core_version() == "0.19.0rc1"
+        problems = preflight.training_side_problems(cells=1)
+        assert any("megatron-core 0.19.0rc1" in p for p in problems), problems
+    finally:
+        ours()  # the fake package the lookups imported
+        sys.modules.update(real)

@@ -97,8 +97,12 @@ def _assert_tensorboard_holds_every_step(tb_dir: Path, summary: dict) -> None:
     assert [e.step for e in loss] == [r["step"] for r in trained]
     assert all(abs(e.value - r["loss"]) <= 1e-6 * max(1.0, abs(r["loss"])) for e, r in zip(loss, trained))
     assert [e.value for e in acc.Scalars("train/tokens")] == [r["tokens"] for r in summary["step_records"]]
-    assert {"train/grad_norm", "rollout/staleness_mean", "executions/trained", "switch/to_training_s"} <= set(
+    assert {"train/grad_norm", "rollout/staleness_mean", "executions/trained", "switch/to_training_s",
+            "engines/output_tokens_per_s", "proxy/call_latency_p95_s", "proxy/overhead_mean_s"} <= set(
         acc.Tags()["scalars"])
+    # the harnesses' calls between steps: tokens came out of the engines, each call took time
+    assert all(e.value > 0 for e in acc.Scalars("engines/output_tokens_per_s"))
+    assert all(e.value > 0 for e in acc.Scalars("proxy/call_latency_p95_s"))
 
 
 def _assert_final_checkpoint_is_the_last_publication(out: Path) -> None:
