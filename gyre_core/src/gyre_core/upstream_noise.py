@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, MutableMapping
 
-__all__ = ["NOISE", "PYTHON_NOISE", "is_noise", "mooncake_quiet_env", "native_stderr_filtered", "upstream_log", "upstream_log_file"]
+__all__ = ["NOISE", "PYTHON_NOISE", "is_noise", "mooncake_quiet_env", "native_stderr_filtered", "upstream_log",
+           "upstream_log_file"]
 
 upstream_log = logging.getLogger("gyre.upstream")
 
@@ -54,9 +55,9 @@ def mooncake_quiet_env(env: MutableMapping[str, str] | None = None) -> None:
 def native_stderr_filtered() -> Iterator[list[str]]:
     """Capture file descriptor 2 around a native call; yields the list its lines land in.
 
-    Noise goes to :data:`upstream_log`; every other line is written back to stderr on exit. Only
-    native code writes to the descriptor during the (millisecond) call: Python logging from other
-    threads in that window is captured too and passed back with the rest, so nothing is lost."""
+    Noise goes to :data:`upstream_log`; every other line is written back to stderr on exit. What
+    other threads write to stderr in that (millisecond) window is captured too and passed back
+    with the rest: delayed, never lost."""
     lines: list[str] = []
     with _fd_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
         with contextlib.suppress(Exception):
@@ -88,6 +89,7 @@ def upstream_log_file(path: Path) -> Iterator[None]:
     warnings that match :data:`PYTHON_NOISE` go there instead of stderr."""
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    level, propagate = upstream_log.level, upstream_log.propagate
     upstream_log.addHandler(handler)
     upstream_log.setLevel(logging.DEBUG)
     upstream_log.propagate = False
@@ -107,4 +109,6 @@ def upstream_log_file(path: Path) -> Iterator[None]:
         if warnings.showwarning is show:
             warnings.showwarning = shown
         upstream_log.removeHandler(handler)
+        upstream_log.setLevel(level)
+        upstream_log.propagate = propagate
         handler.close()
