@@ -120,3 +120,19 @@ def test_version_names_gyre_and_what_it_found(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"gyre-orchestrate {__version__}")
     assert any(line.strip().startswith("torch ") for line in lines[1:])
+
+
+def test_replay_settings_are_checked_before_anything_runs(tmp_path) -> None:
+    base = {"harness.kind": '"replay"', "task.name": '"digits"'}
+    cfg = load_run_config(None, base)
+    assert cfg.harness.kind == "replay" and cfg.harness.time_scale > 0
+    with pytest.raises(ConfigError, match="task.name"):
+        load_run_config(None, {"harness.kind": '"replay"'})
+    with pytest.raises(ConfigError, match="harness.time_scale"):
+        load_run_config(None, {**base, "harness.time_scale": "0"})
+    with pytest.raises(ConfigError, match="harness.trace"):
+        load_run_config(None, {**base, "harness.trace": f'"{tmp_path / "missing.jsonl"}"'})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "q", "duration_s": -1, "outcome": "completed"}\n')
+    with pytest.raises(ConfigError, match="harness.trace.*duration_s"):
+        load_run_config(None, {**base, "harness.trace": f'"{bad}"'})

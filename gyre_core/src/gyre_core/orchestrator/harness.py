@@ -8,6 +8,8 @@ own API key, under both the OpenAI and the Anthropic names. Built-in launchers:
 - ``number-guess``: the built-in task's agent loop (:mod:`gyre_core.tasks.number_guess_harness`);
 - ``reply``: one chat call with the task's prompt, the reply in ``reply.txt``
   (:mod:`gyre_core.tasks.reply_harness`; plays the built-in ``digits`` task);
+- ``replay``: one recorded execution of a trace replayed through the proxy, at the recorded pace
+  and with the recorded outcome (:mod:`gyre_core.tasks.replay_harness`; plays ``digits``);
 - ``command``: any program, ``extra["command"]`` as an argument list (``{task}``, ``{workdir}``
   are substituted);
 - ``claude-code``: the real Claude Code CLI in print mode, offline (no telemetry, updater or
@@ -157,6 +159,10 @@ def launch_command(spec: ExecutionSpec) -> list[str] | None:
                 "--low", str(x.get("low", 0)), "--high", str(x.get("high", 99)), "--turns", str(x.get("turns", 3))]
     if spec.harness == "reply":
         return [sys.executable, "-m", "gyre_core.tasks.reply_harness", spec.task]
+    if spec.harness == "replay":
+        r = x["replay"]
+        return [sys.executable, "-m", "gyre_core.tasks.replay_harness", spec.task, "--duration-s",
+                repr(float(r["duration_s"])), "--outcome", str(r["outcome"]), "--calls", str(int(r.get("calls", 3)))]
     if spec.harness == "command":
         cmd = x.get("command")
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(c, str) for c in cmd):

@@ -119,6 +119,12 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self._t0 = clock()
         self._execs: dict[int, _Execution] = {}
         self._groups: dict[int, dict[str, Any]] = {}
+        self.replay_plan: Any = None
+        """``harness.kind = "replay"``: which recorded execution each execution replays."""
+        if cfg.harness.kind == "replay":
+            from gyre_core.orchestrator.replay_plan import ReplayPlan
+
+            self.replay_plan = ReplayPlan.from_config(cfg.harness.trace, cfg.harness.time_scale, cfg.run.seed)
         self._steps: dict[int, _Step] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None

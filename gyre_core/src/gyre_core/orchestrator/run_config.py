@@ -25,7 +25,7 @@ from gyre_core.config import ConfigError, SchedulerConfig
 
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
-HARNESSES = ("number-guess", "reply", "command", "claude-code")
+HARNESSES = ("number-guess", "reply", "replay", "command", "claude-code")
 LAUNCHERS = ("local", "torchrun")
 
 
@@ -77,6 +77,14 @@ class HarnessSection:
     """The Claude Code executable (``harness.kind = "claude-code"``)."""
     args: list[str] = field(default_factory=list)
     """Extra arguments for the Claude Code CLI (e.g. ``--tools``, ``--system-prompt``, ``--max-turns``)."""
+    trace: str = ""
+    """``replay``: the JSON-lines trace (the simulator's format) whose executions are replayed;
+    empty: one synthesised from the paper preset."""
+    time_scale: float = 0.002
+    """``replay``: seconds of replay per recorded second (0.002: a 2 h execution in 14.4 s). Set
+    ``timeout_s`` to the recording's harness timeout times this, so timeouts land where they did."""
+    replay_calls: int = 3
+    """``replay``: model calls per execution, the context growing with each."""
 
 
 @dataclass
@@ -240,6 +248,18 @@ class RunConfig:
              "must be > 0 and ≤ harness.overall_budget_s")
         need(self.task.name == "number-guess" or self.harness.kind != "number-guess", "task.name",
              "the number-guess harness plays the number-guess task")
+        need(self.harness.kind != "replay" or self.task.name == "digits", "task.name",
+             "the replay harness leaves reply.txt, which the digits task scores: set task.name = \"digits\"")
+        need(self.harness.time_scale > 0 and math.isfinite(self.harness.time_scale), "harness.time_scale",
+             "must be a positive number")
+        need(self.harness.replay_calls >= 1, "harness.replay_calls", "must be ≥ 1")
+        if self.harness.kind == "replay" and self.harness.trace:
+            from gyre_core.simulator.workload import TraceError, load_trace
+
+            try:
+                load_trace(self.harness.trace)
+            except (TraceError, OSError) as exc:
+                raise ConfigError(f"harness.trace: {exc}") from None
         need(self.task.turns >= 1, "task.turns", "must be ≥ 1")
         need(self.dataplane.j_max >= 1, "dataplane.j_max", "must be ≥ 1")
         need(self.dataplane.token_budget >= 64, "dataplane.token_budget", "must be ≥ 64")
