@@ -7,7 +7,9 @@ policy's own replies fed back, then a tool result), and spends the time between 
 so that the execution ends at ``--duration-s`` (the recorded duration, already scaled by the run's
 ``harness.time_scale``). How it ends is the recorded outcome:
 
-- ``completed``: the last reply in ``reply.txt``, exit 0 -- the task's evaluator scores it;
+- ``completed``: the last reply in ``reply.txt``, exit 0 -- the task's evaluator scores it (a
+  replay that the engines slow past the run's harness timeout is killed and scored from its
+  latest reply, as a real agent's workspace would be);
 - ``failed``: an empty ``reply.txt`` and exit 1 -- a complete failure, which the evaluator scores 0;
 - ``harness_timeout``: the last reply in ``reply.txt``, then it keeps working until the run's
   harness timeout kills it -- the workspace is assessed and scored, as for a real timeout;
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
         reply = answer.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": reply})
+        if a.outcome in ("completed", "harness_timeout"):
+            _write_reply(reply)  # the work so far: what a timeout's assessment finds, as with a real agent
         # tool time: the next call starts where the recording's pace puts it
         time.sleep(max(0.0, start + a.duration_s * (i + 1) / calls - time.monotonic()))
         if i + 1 < calls:
