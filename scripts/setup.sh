@@ -80,6 +80,6 @@ rm -f "$STAMP"
     -r gyre_sglang/src/gyre_sglang/cpu_patches/sglang-0.5.23-cpu-requirements.txt
 # SGLang itself for its CPU engine (the real server the sglang-marked tests start).
 log "installing SGLang for CPU (gyre-sglang-install-cpu)"
-"$VENV/bin/gyre-sglang-install-cpu"
+"$VENV/bin/gyre-sglang-install-cpu" --no-dependencies  # its requirement list went in with the rest above
 echo "$fingerprint" >"$STAMP"
 log "done"

@@ -70,7 +70,6 @@ t_install=$(( $(date +%s) - t0 ))
 
 mkdir -p "$tmp/elsewhere"
 cd "$tmp/elsewhere"
-export -n PYTHONPATH 2>/dev/null || true
 unset PYTHONPATH
 # Nothing may come from the checkout: every Gyre module is the installed one.
 "$venv_py" - "$repo" <<'PY'

@@ -44,17 +44,16 @@ def _pip(*args: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gyre-sglang-install-cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sglang", default=SUPPORTED[-1], choices=SUPPORTED, help="the SGLang release (default %(default)s)")
-    ap.add_argument("--only-dependencies", action="store_true",
-                    help="step 1 only (for an installer that resolves them together with other requirements)")
+    ap.add_argument("--no-dependencies", action="store_true",
+                    help="step 2 only: the requirement list was installed already, resolved together with others")
     args = ap.parse_args(argv)
-    import torch
+    if not args.no_dependencies:
+        import torch
 
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
-        constraints.write(f"torch=={torch.__version__.split('+')[0]}\n")  # never swap the installed torch
-        constraints.flush()
-        _pip("-c", constraints.name, "-r", str(requirements_file(args.sglang)))
-    if args.only_dependencies:
-        return 0
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
+            constraints.write(f"torch=={torch.__version__.split('+')[0]}\n")  # never swap the installed torch
+            constraints.flush()
+            _pip("-c", constraints.name, "-r", str(requirements_file(args.sglang)))
     _pip("--no-deps", *NO_DEPS[args.sglang])
     got = installed_version("sglang")
     if got != args.sglang:

@@ -72,11 +72,9 @@ class ExecutionsMixin:
                                                    seed=self.cfg.run.seed, options=asdict(self.cfg.task))
             if inst is None:
                 raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
-            self._groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": [],
-                                          "size": len(cmd.execution_ids), "eids": []}
+            self._groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}
         for eid in cmd.execution_ids:
             self._execs[eid] = _Execution(cmd.group_id)
-            self._groups[cmd.group_id].setdefault("eids", []).append(eid)
 
     async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
         ex = self._execs[cmd.execution_id]
@@ -95,9 +93,9 @@ class ExecutionsMixin:
             extra["claude_bin"] = self.cfg.harness.claude_bin
             extra["claude_args"] = list(self.cfg.harness.args)
         if self.cfg.harness.kind == "replay":
-            group = self._groups[cmd.group_id]
-            extra["replay"] = self.replay_plan.record(cmd.group_id, group["eids"].index(cmd.execution_id),
-                                                      group.get("size", len(group["eids"]))).as_extra()
+            members = self._group_members(cmd.group_id)  # in dispatch order; refills come last
+            extra["replay"] = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id),
+                                                      len(members)).as_extra()
             extra["replay"]["calls"] = self.cfg.harness.replay_calls
         if self.sandbox is not None:
             extra["sandbox"] = self.sandbox
