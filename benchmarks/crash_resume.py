@@ -49,6 +49,15 @@ def steps_done(recs: list[dict[str, Any]]) -> int:
     return count(recs, "MicroStepsDone")
 
 
+def _said(log: Path, out: Path) -> str:
+    """What a segment that stopped by itself printed, and the run's error log: why it stopped."""
+    parts = [f"--- {log.name} (tail)\n" + log.read_text(errors="replace")[-3000:]]
+    err = out / "error.log"
+    if err.exists():
+        parts.append("--- error.log (tail)\n" + err.read_text(errors="replace")[-6000:])
+    return "\n".join(parts)
+
+
 def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float = 900.0) -> dict[str, Any]:
     rng = random.Random(seed)
     cmd = [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--steps", str(steps)]
@@ -71,7 +80,8 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
                         break
                     time.sleep(0.2)
                 if proc.poll() is not None:
-                    raise RuntimeError(f"segment {k} ended by itself (rc {proc.returncode}) before {kind} #{target}")
+                    raise RuntimeError(f"segment {k} ended by itself (rc {proc.returncode}) before {kind} #{target}:\n"
+                                       + _said(Path(log.name), out))
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(30)
             finally:
@@ -86,7 +96,9 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
     final = subprocess.run(cmd + (["--resume"] if points else []) + ["--json-summary"], capture_output=True,
                            text=True, timeout=timeout_s)
     if final.returncode != 0:
-        raise RuntimeError(f"final resume failed: {final.stderr[-3000:]}")
+        err = out / "error.log"
+        raise RuntimeError(f"final resume failed: {final.stderr[-3000:]}"
+                           + (f"\n--- error.log (tail)\n{err.read_text(errors='replace')[-6000:]}" if err.exists() else ""))
     summary = json.loads(final.stdout.strip().splitlines()[-1])
     recs = journal(out)
     ends = [r["event"]["execution_id"] for r in recs if r["kind"] == "event" and r["event"]["type"] == "ExecutionEnded"]

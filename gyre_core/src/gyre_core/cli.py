@@ -62,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--modes", default="gyre,async,colocate", help="comma list of gyre, async, colocate")
     sim.add_argument("--staleness", type=float, help="target mean scheduling staleness E[d] (preset default)")
     sim.add_argument("--steps", type=int, help="training steps to simulate (preset default)")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=int, help="random seed (default 0; with --calibrate-from: the run's)")
     sim.add_argument("--out", type=Path, help="write timelines, training shares, event logs and summary here")
     sim.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     sim.add_argument("--auto-burst", action="store_true", help="let Gyre choose (φ, μ) by simulation: every μ on the target staleness "
@@ -82,6 +82,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="rule for groups short of N valid rewards (default filter, the paper's)")
     sim.add_argument("--min-valid-rewards", type=int, help="valid rewards a filtered group needs to train (default 2)")
     sim.add_argument("--publication-s", type=float, help="seconds to publish weights to every engine")
+    sim.add_argument("--calibrate-from", type=Path, metavar="RUN_DIR",
+                     help="simulate a finished live run: its scheduler section, its measured switch, publication "
+                          "and training times, and the executions it replayed or measured (prints the live "
+                          "run's time beside the prediction)")
     sim.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
     sub.add_parser("plugins", help="list installed Gyre plugins")
@@ -131,6 +135,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from gyre_core.simulator.race import calibrate_cell_rate, race
     from gyre_core.simulator.workload import TraceWorkload, load_trace, with_default_tokens
 
+    if args.calibrate_from is not None:
+        return _simulate_calibrated(args)
     # --- validate everything before anything runs
     preset = get_preset(args.preset)
     fields = dict(preset.scheduler)
@@ -166,8 +172,8 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = TraceWorkload(with_default_tokens(load_trace(args.trace)))
     else:
         workload = preset.workload()
-    rate = calibrate_cell_rate(workload, base, minutes * 60.0, seed=args.seed)
-    params_kwargs = {"steps": steps, "seed": args.seed, "cell_tokens_per_s": rate}
+    rate = calibrate_cell_rate(workload, base, minutes * 60.0, seed=args.seed or 0)
+    params_kwargs = {"steps": steps, "seed": args.seed or 0, "cell_tokens_per_s": rate}
     if args.publication_s is not None:
         params_kwargs["publication_s"] = args.publication_s
     params = SimParams(**params_kwargs)
@@ -194,21 +200,70 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_calibrated(args: argparse.Namespace) -> int:
+    """``simulate --calibrate-from RUN_DIR``: the live run's own world, every mode raced on it."""
+    import dataclasses
+
+    from gyre_core.simulator.calibration import calibrate_from_run
+    from gyre_core.simulator.race import race
+
+    for flag in ("trace", "train_minutes", "publication_s"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')}: measured by the live run; not with --calibrate-from")
+    if args.preset != "paper-122b":
+        raise ConfigError("--preset: the live run is the setting; not with --calibrate-from")
+    cal = calibrate_from_run(args.calibrate_from, steps=args.steps, seed=args.seed)
+    base = dataclasses.replace(cal.config, **{name: getattr(args, flag) for flag, name in _FLAG_TO_FIELD.items()
+                                              if getattr(args, flag) is not None})
+    modes = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
+    live_mode = Mode.parse(cal.live["mode"] or base.mode.value)
+    staleness = cal.staleness if args.staleness is None else args.staleness
+    mu, phi = args.mu, args.phi
+    if live_mode is Mode.GYRE and mu is None and phi is None and not args.auto_burst and args.staleness is None:
+        mu, phi = base.steps_per_burst, base.extra_dispatch  # Gyre as the live run ran it
+    progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if progress:
+        progress(f"simulating {cal.params.steps} steps of {args.calibrate_from} ({cal.source}) at E[d]={staleness:g}: "
+                 f"{json.dumps(cal.measured)}")
+    result = race(base, cal.workload, cal.params, modes=modes, staleness=staleness, gyre_mu=mu, gyre_phi=phi,
+                  auto_burst=args.auto_burst, out_dir=args.out, progress=progress)
+    summary = result.to_json()
+    summary["calibration"] = {"run_dir": str(args.calibrate_from), "source": cal.source, "measured": cal.measured,
+                              "live": cal.live}
+    sim = summary["modes"].get(live_mode.value)
+    if sim is not None and cal.live.get("run_s"):
+        summary["calibration"]["predicted_s"] = sim["end_to_end_s"]
+        summary["calibration"]["gap"] = round(sim["end_to_end_s"] / cal.live["run_s"] - 1.0, 4)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table(summary)
+        c = summary["calibration"]
+        if "gap" in c:
+            print(f"live {live_mode.value} run: {c['live']['run_s']:.1f} s to its last step; simulated "
+                  f"{c['predicted_s']:.1f} s ({c['gap']:+.1%})")
+    if args.out is not None:
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
 def _print_table(summary: dict) -> None:
     print(f"target E[d] = {summary['target_staleness']:g}")
-    print(f"{'mode':<10}{'φ':>6}{'μ':>4}{'hours':>10}{'steps':>7}{'staleness':>11}  training share per cell")
+    longest = max((r["end_to_end_s"] for r in summary["modes"].values()), default=0.0)
+    unit, per = ("hours", 3600.0) if longest >= 7200 else ("seconds", 1.0)  # a calibrated live run lasts minutes
+    print(f"{'mode':<10}{'φ':>6}{'μ':>4}{unit:>10}{'steps':>7}{'staleness':>11}  training share per cell")
     for mode, r in summary["modes"].items():
         shares = " ".join(f"{s:.2f}" for s in r["cell_training_share"])
-        print(f"{mode:<10}{r['phi']:>6g}{r['mu']:>4}{r['end_to_end_s'] / 3600:>10.2f}{r['steps']:>7}"
+        print(f"{mode:<10}{r['phi']:>6g}{r['mu']:>4}{r['end_to_end_s'] / per:>10.2f}{r['steps']:>7}"
               f"{r['mean_staleness']:>11.3f}  {shares}")
     if summary.get("auto_burst"):
         chosen = summary["modes"].get("gyre", {})
         print("burst search (gyre):")
-        print(f"  {'φ':>6}{'μ':>4}{'E[d] law':>10}{'measured':>10}{'hours':>10}")
+        print(f"  {'φ':>6}{'μ':>4}{'E[d] law':>10}{'measured':>10}{unit:>10}")
         for t in summary["auto_burst"]:
             mark = "  <- chosen" if (t["phi"], t["mu"]) == (chosen.get("phi"), chosen.get("mu")) else ""
             print(f"  {t['phi']:>6g}{t['mu']:>4}{t['expected_staleness']:>10g}{t['mean_staleness']:>10.3f}"
-                  f"{t['end_to_end_s'] / 3600:>10.2f}{mark}")
+                  f"{t['end_to_end_s'] / per:>10.2f}{mark}")
     if "async_training_cells" in summary["modes"].get("async", {}):
         print(f"async uses its best split: {summary['modes']['async']['async_training_cells']} training cells")
     for name, value in summary["speedup"].items():

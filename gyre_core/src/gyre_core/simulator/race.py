@@ -32,7 +32,11 @@ class PerGroupSeeded:
 
     def draw_group(self, rng: random.Random, n: int) -> GroupDraw:
         self._count += 1
-        return self.inner.draw_group(random.Random(f"{self.seed}:{self._count}:{n}"), n)
+        own = random.Random(f"{self.seed}:{self._count}:{n}")
+        indexed = getattr(self.inner, "draw_indexed", None)  # a live run's groups, in its order
+        if indexed is not None:
+            return indexed(self._count - 1, own, n)
+        return self.inner.draw_group(own, n)
 
 
 def calibrate_cell_rate(
