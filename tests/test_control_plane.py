@@ -2,18 +2,19 @@
 
 A rank with the wrong key must not get in (the control port drives training and engines), a
 launcher that started the wrong number of ranks is refused with a clear error, and micro-steps
-claimed through the wire arrive whole, each once.
+claimed through the wire arrive whole, each once. The hostile-peer cases (garbage, idle floods,
+oversized frames, no pickle) are in ``test_control_wire.py``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import stat
+import time
 
 import pytest
 
-from gyre_megatron.control import ControlClient, ControlServer, read_key, write_key
+from gyre_megatron.control import AuthenticationFailed, ControlClient, ControlServer, read_key, write_key
 
 
 @pytest.fixture
@@ -55,9 +56,9 @@ def test_run_defaults_bind_loopback() -> None:
 def test_wrong_key_is_refused(server) -> None:
     srv, _ = server
     host, port = srv.address
-    with pytest.raises(multiprocessing.AuthenticationError):
+    with pytest.raises(AuthenticationFailed):
         ControlClient(host, port, b"x" * 64, 0, 2, connect_timeout_s=1)
-    assert srv.joined() == []
+    assert srv.joined() == [] and srv.rejected == 1
 
 
 def test_wrong_world_size_is_refused_with_a_clear_error(server) -> None:
@@ -96,8 +97,13 @@ def test_a_lost_orchestrator_is_reported_once(tmp_path) -> None:
     lost = []
     client = ControlClient(*srv.address, key, 0, 1, connect_timeout_s=5, on_lost=lambda: lost.append(1))
     srv.close()
-    client._beating.join(15)
+    deadline = time.monotonic() + 15
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client._beating.join(5)
     assert lost == [1] and not client._beating.is_alive()
+    with pytest.raises(ConnectionError):
+        client.cmd.get()  # a rank blocked on its next command is woken: serve_rank then exits
 
 
 def test_two_servers_in_one_process_keep_their_own_runs(tmp_path) -> None:

@@ -11,7 +11,6 @@ started, by pid, and the context manager guarantees it.
 from __future__ import annotations
 
 import itertools
-import pickle
 import os
 import queue as queue_mod
 import socket
@@ -274,13 +273,10 @@ class ClusterWorld(_Ranks):
         self._join(join_timeout_s)
 
     def _send(self, rank: int, message: tuple[Any, ...]) -> None:
-        self.server.hub.cmd[rank].put(pickle.dumps(message))  # by value (see runtime.serve_rank)
+        self.server.send_command(rank, message)  # by value, over the control wire (no pickle)
 
     def _receive(self, timeout: float) -> tuple[int, int, bool, Any]:
-        r, seq, ok, payload = self.server.hub.results.get(timeout=timeout)
-        if ok and isinstance(payload, bytes):
-            payload = pickle.loads(payload)  # ranks send answers pickled by value
-        return r, seq, ok, payload
+        return self.server.hub.results.get(timeout=timeout)  # type: ignore[no-any-return]
 
     def _dead(self, rank: int) -> str | None:
         if self.server.hub.refused:  # the launcher started the wrong world: waiting cannot help
@@ -293,7 +289,7 @@ class ClusterWorld(_Ranks):
 
     def engine_call(self, rank: int, op: str, *args: Any, timeout: float = 120.0) -> Any:
         seq = next(self._seq)
-        self.server.hub.engine_cmd[rank].put((seq, op, args, {}))
+        self.server.send_engine(rank, (seq, op, args, {}))
         return self._collect(Ticket((rank,), seq), timeout)[0]
 
     def start_engine(self, cell: int, model_dir: str, options: dict[str, Any]) -> RemoteEngine:
@@ -305,7 +301,7 @@ class ClusterWorld(_Ranks):
 
     def close(self, timeout: float = 10.0) -> None:
         for r in range(self.size):
-            self.server.hub.engine_cmd[r].put((-2, "exit", (), {}))
+            self.server.send_engine(r, (-2, "exit", (), {}))
             self._send(r, (-2, "exit", (), {}))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(self.server.seen_within(r, 1.5) for r in self.server.joined()):

@@ -21,7 +21,6 @@ broadcast to the satellites that stay for the next step of the burst.
 from __future__ import annotations
 
 import os
-import pickle
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -521,34 +520,32 @@ def worker_main(
 
 
 def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queues: Sequence[Any], cmd_q: Any,
-               res_q: Any, wire: bool = False) -> None:
+               res_q: Any) -> None:
     """Init gloo, build the rank, serve commands from ``cmd_q`` until ``exit``.
 
-    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``. With ``wire`` (a rank reached over
-    TCP) commands arrive and payloads leave pickled by value: a tensor handed over as a handle to
-    one machine's shared memory cannot be opened by another process's key, let alone node."""
+    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``: a local queue, or a rank's control
+    connection (:class:`gyre_megatron.control.ControlClient`), which sends them by value."""
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     torch.set_num_threads(1)
-    enc = pickle.dumps if wire else (lambda x: x)
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=opts.store_timeout_s))
         cr = CellRank(rank, world, opts, queues)
-        res_q.put((rank, -1, True, enc(cr.ping())))
+        res_q.put((rank, -1, True, cr.ping()))
     except BaseException:
         res_q.put((rank, -1, False, traceback.format_exc()))
         return
     while True:
         message = cmd_q.get()
-        seq, name, args, kwargs = pickle.loads(message) if wire else message
+        seq, name, args, kwargs = message
         if name == "exit":
             break
         try:
             out = getattr(cr, name)(*args, **kwargs)
-            res_q.put((rank, seq, True, enc(out)))
+            res_q.put((rank, seq, True, out))
         except BaseException as e:
             res_q.put((rank, seq, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     try:

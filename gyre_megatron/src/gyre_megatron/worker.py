@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -65,7 +64,7 @@ def _serve_engines(client: ControlClient) -> None:
                 out = None
             else:
                 raise ValueError(f"unknown engine command {op!r}")
-            client.results.put((client.rank, seq, True, pickle.dumps(out)))
+            client.results.put((client.rank, seq, True, out))
         except BaseException as e:
             client.results.put((client.rank, seq, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     for engine in engines.values():
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from gyre_megatron.runtime import serve_rank
 
     try:
-        serve_rank(rank, world, "env://", client.opts, client.queues, client.cmd, client.results, wire=True)
+        serve_rank(rank, world, "env://", client.opts, client.queues, client.cmd, client.results)
     except (EOFError, ConnectionError, BrokenPipeError) as e:
         print(f"gyre-megatron-worker rank {rank}: lost the orchestrator ({e})", file=sys.stderr)
         os._exit(3)
