@@ -159,6 +159,7 @@ class ControlServer:
         self._closed = threading.Event()
         self._conns: set[_Connection] = set()
         self._conns_lock = threading.Lock()
+        self._rejected_lock = threading.Lock()
         self.rejected = 0
         """Connections closed before they proved the key (wrong key, garbage, timeouts, overflow)."""
         self._thread = threading.Thread(target=self._accept, daemon=True, name="gyre-control")
@@ -198,6 +199,10 @@ class ControlServer:
         self._thread.join(5)
 
     # serving
+    def _reject(self) -> None:
+        with self._rejected_lock:  # shared by the connection threads
+            self.rejected += 1
+
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
@@ -208,7 +213,7 @@ class ControlServer:
                     return
                 continue
             if not self._pending.acquire(blocking=False):
-                self.rejected += 1  # more handshakes in flight than anyone honest needs
+                self._reject()  # more handshakes in flight than anyone honest needs
                 sock.close()
                 continue
             threading.Thread(target=self._serve, args=(sock,), daemon=True, name="gyre-control-peer").start()
@@ -222,7 +227,7 @@ class ControlServer:
                 server_handshake(sock, self._key)
                 hello = read_frame(sock, HELLO_MAX_BYTES)
             except (AuthenticationFailed, WireError, OSError):
-                self.rejected += 1
+                self._reject()
                 return  # no answer to a peer that did not prove the key
             finally:
                 self._pending.release()
