@@ -49,6 +49,44 @@ def steps_done(recs: list[dict[str, Any]]) -> int:
     return count(recs, "MicroStepsDone")
 
 
+def _descendants(pid: int) -> list[Any]:
+    try:
+        import psutil
+    except ImportError:  # the check needs psutil; without it nothing is counted
+        return []
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _outliving(started: list[Any], within_s: float = 45.0) -> int:
+    """How many of a killed run's processes are still alive ``within_s`` later (they should die
+    with it through PR_SET_PDEATHSIG); any left are killed, so the chain goes on clean."""
+    if not started:
+        time.sleep(2.0)
+        return 0
+    import psutil
+
+    def alive(p: Any) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    left = [p for p in started if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = [p for p in left if alive(p)]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return len(left)
+
+
 def _said(log: Path, out: Path) -> str:
     """What a segment that stopped by itself printed, and the run's error log: why it stopped."""
     parts = [f"--- {log.name} (tail)\n" + log.read_text(errors="replace")[-3000:]]
@@ -64,6 +102,7 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
     points: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    finished_at_kills: set[int] = set()
     for k in range(kills):
         recs = journal(out)
         if steps_done(recs) >= steps - 1:
@@ -82,17 +121,21 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
                 if proc.poll() is not None:
                     raise RuntimeError(f"segment {k} ended by itself (rc {proc.returncode}) before {kind} #{target}:\n"
                                        + _said(Path(log.name), out))
+                started = _descendants(proc.pid)  # engines, ranks, harnesses: none may outlive the kill
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(30)
             finally:
                 if proc.poll() is None:
                     proc.kill()
+        outlived = _outliving(started)
+        finished_at_kills |= {r["event"]["execution_id"] for r in journal(out) if r["kind"] == "event"
+                              and r["event"]["type"] == "ExecutionEnded" and r["event"]["outcome"] != "cancelled"}
         torn = k % 2 == 1
         if torn:  # a crash mid-write leaves half a record without its newline
             with open(out / "journal.jsonl", "ab") as f:
                 f.write(b'{"kind":"published","version":99,"loc')
-        points.append({"after": kind, "count": target, "torn_tail": torn, "steps_done": steps_done(journal(out))})
-        time.sleep(2.0)  # the killed run's children die with it (PR_SET_PDEATHSIG)
+        points.append({"after": kind, "count": target, "torn_tail": torn, "steps_done": steps_done(journal(out)),
+                       "outlived": outlived})
     final = subprocess.run(cmd + (["--resume"] if points else []) + ["--json-summary"], capture_output=True,
                            text=True, timeout=timeout_s)
     if final.returncode != 0:
@@ -102,6 +145,8 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
     summary = json.loads(final.stdout.strip().splitlines()[-1])
     recs = journal(out)
     ends = [r["event"]["execution_id"] for r in recs if r["kind"] == "event" and r["event"]["type"] == "ExecutionEnded"]
+    segment_logs = [p.read_text(errors="replace") for p in sorted(out.parent.glob(f"{out.name}-segment*.log"))]
+    rebuilt = sum(1 for text in segment_logs + [final.stderr] if "rebuilding published policy version" in text)
     groups = [g for rec in summary["step_records"] for g in rec["groups"]]
     ex = summary["executions"]
     accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
@@ -109,6 +154,8 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
             "target_steps": steps, "ended": len(ends), "ended_twice": len(ends) - len(set(ends)),
             "groups_trained": len(groups), "groups_trained_twice": len(groups) - len(set(groups)),
             "finished": ex["finished"], "accounted": accounted, "executions": ex,
+            "lost": len(finished_at_kills - set(ends)), "outlived": sum(p["outlived"] for p in points),
+            "resumes_rebuilding_a_publication": rebuilt,
             "wall_s": round(time.monotonic() - t0, 1)}
 
 
@@ -121,7 +168,7 @@ def main() -> int:
     a = ap.parse_args()
     res = crash_chain(Path(a.out), a.kills, a.steps, a.seed)
     res["ok"] = (res["steps"] == res["target_steps"] and res["ended_twice"] == 0 and res["groups_trained_twice"] == 0
-                 and res["accounted"] == res["finished"])
+                 and res["accounted"] == res["finished"] and res["lost"] == 0 and res["outlived"] == 0)
     print(json.dumps(res))
     return 0 if res["ok"] else 1
 
