@@ -43,14 +43,10 @@ def _said_back(srv: ControlServer, payload: bytes, wait_s: float = 3.0) -> bytes
     """What a raw peer that sends ``payload`` gets back before the server closes on it."""
     s = socket.create_connection(srv.address, timeout=wait_s)
     s.sendall(payload)
-    got = b""
     try:
-        while chunk := s.recv(65536):
-            got += chunk
-    except (socket.timeout, ConnectionResetError):
-        pass
-    s.close()
-    return got
+        return _closed(s)
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("payload", [
@@ -91,6 +87,7 @@ def _authenticated(srv: ControlServer, key: bytes) -> socket.socket:
 
 
 def _closed(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or the socket's timeout passes)."""
     got = b""
     try:
         while chunk := s.recv(65536):
