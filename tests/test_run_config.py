@@ -52,6 +52,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"model.hidden_size": "0"}, "model.hidden_size"),
     ({"model.num_layers": "-2"}, "model.num_layers"),
     ({"model.num_layers": "3", "training.pp": "2"}, "model.num_layers"),
+    ({"training.tp": "0"}, "training.tp"),
+    ({"training.tp": "4"}, "training.tp"),
     ({"sampling.top_p": "5"}, "sampling.top_p"),
     ({"proxy.host": '""'}, "proxy.host"),
     ({"training.clip_grad": "-1"}, "training.clip_grad"),
@@ -136,3 +138,17 @@ def test_replay_settings_are_checked_before_anything_runs(tmp_path) -> None:
     bad.write_text('{"query": "q", "duration_s": -1, "outcome": "completed"}\n')
     with pytest.raises(ConfigError, match="harness.trace.*duration_s"):
         load_run_config(None, {**base, "harness.trace": f'"{bad}"'})
+
+
+def test_a_model_that_cannot_split_over_tp_is_refused_by_size(tmp_path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 80,
+        "vocab_size": 161, "hidden_size": 48, "num_hidden_layers": 2}))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, {"model.dir": json.dumps(str(tmp_path)), "training.tp": "2"})
+    assert "training.tp" in str(e.value) and "vocab_size 161" in str(e.value)
+    assert "num_attention_heads" not in str(e.value)  # 6 heads split over 2
+    with pytest.raises(ConfigError, match="num_key_value_heads 2 is not a multiple of training.tp 3"):
+        load_run_config(None, {"model.dir": json.dumps(str(tmp_path)), "training.tp": "3"})

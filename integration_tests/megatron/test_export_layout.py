@@ -7,8 +7,9 @@ import torch
 
 pytestmark = pytest.mark.megatron
 
-from gyre_megatron.export import _split_qkv, megatron_to_hf, merge_tp  # noqa: E402
+from gyre_megatron.export import _split_qkv, megatron_to_hf  # noqa: E402
 from gyre_megatron.model import ModelSpec  # noqa: E402
+from gyre_megatron.tp_layout import merge_tp, shard_tp, tp_problems  # noqa: E402
 
 
 def _shard_like_megatron(name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
@@ -30,7 +31,21 @@ def _shard_like_megatron(name: str, full: torch.Tensor, tp: int) -> list[torch.T
 ])
 def test_merge_tp_inverts_megatron_sharding(tp: int, name: str, shape: tuple[int, int]) -> None:
     full = torch.randn(shape)
-    assert torch.equal(merge_tp(name, _shard_like_megatron(name, full, tp)), full)
+    shards = _shard_like_megatron(name, full, tp)
+    assert torch.equal(merge_tp(name, shards), full)
+    for t, s in enumerate(shards):  # the import cuts each rank's shard as megatron-core holds it
+        assert torch.equal(shard_tp(name, full, tp, t), s)
+
+
+def test_norm_scales_are_replicated_and_uneven_splits_refused() -> None:
+    w = torch.randn(8)
+    name = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    assert torch.equal(shard_tp(name, w, 2, 1), w) and torch.equal(merge_tp(name, [w, w]), w)
+    with pytest.raises(ValueError, match="does not split over 3"):
+        shard_tp("decoder.layers.0.self_attention.linear_proj.weight", torch.zeros(8, 8), 3, 0)
+    assert tp_problems(ModelSpec(), 2) == []
+    assert tp_problems(ModelSpec(num_query_groups=2, num_attention_heads=4), 4) == [
+        "num_query_groups 2 is not a multiple of tp 4"]
 
 
 def test_qkv_regrouping_matches_query_groups() -> None:

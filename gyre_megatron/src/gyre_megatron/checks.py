@@ -83,11 +83,7 @@ class RankChecks:
     # ------------------------------------------------------------------ export test
     def grads_hf(self) -> dict[str, Any]:
         """This stage's accumulated gradients under HF Qwen2 names (the export's mapping)."""
-        from gyre_megatron.export import megatron_to_hf
-
-        per_stage = self.opts.spec.num_layers // self.opts.pp
-        state = {n: p.main_grad for n, p in self.ddp.module.named_parameters()}
-        return {k: v.detach().clone().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+        return self._as_hf({n: p.main_grad for n, p in self.ddp.module.named_parameters()})
 
     def stream_grads_hf(self, queue_idx: int) -> dict[str, Any]:
         """Cell-local: stream the queue through the pipeline, return the gradients (HF names)

@@ -97,7 +97,7 @@ class _Hub:
             return "a hello needs an integer rank and world size"
         why = None
         if world_size != self.size:
-            why = f"this run needs a world of {self.size} rank(s) (cells × pp); the launcher started {world_size}"
+            why = f"this run needs a world of {self.size} rank(s) (cells × tp × pp); the launcher started {world_size}"
         elif not 0 <= rank < self.size:
             why = f"rank {rank} outside 0..{self.size - 1}"
         with self.lock:

@@ -8,8 +8,8 @@ HF names, with Megatron's fused tensors split the way the HF modules expect:
 * ``linear_fc1`` is ``[gate; up]`` (SwiGLU): split into ``gate_proj`` and ``up_proj``;
 * layer ``i`` of pipeline stage ``s`` is global layer ``s·L/P + i``.
 
-Tensor-parallel shards are merged first (:func:`merge_tp`): column-parallel tensors along dim 0
-(each rank holds whole query groups and its own gate/up halves), row-parallel ones along dim 1.
+Tensor-parallel shards are merged first (:func:`gyre_megatron.tp_layout.merge_tp`, on the ranks:
+see ``CellRank.export_hf``).
 :func:`publish` writes ``model.safetensors`` + ``config.json`` into ``publish_dir/v<version>``,
 which SGLang's ``/update_weights_from_disk`` consumes; the directory is the ``WeightsRef``.
 """
@@ -25,23 +25,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from gyre_megatron.tp_layout import merge_tp
+
 __all__ = ["hf_config", "load_hf_qwen2", "megatron_to_hf", "merge_tp", "publish"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """One full tensor from its tensor-parallel shards (rank order)."""
-    if len(shards) == 1:
-        return shards[0]
-    if name.endswith("linear_fc1.weight"):  # each rank: [gate_r; up_r]
-        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
-        return torch.cat([torch.cat(gates), torch.cat(ups)])
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return torch.cat(shards, dim=1)  # row-parallel
-    if "layernorm" in name or name.endswith("norm.weight"):
-        return shards[0]  # replicated
-    return torch.cat(shards, dim=0)  # column-parallel (qkv groups, vocab)
 
 
 def _split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:

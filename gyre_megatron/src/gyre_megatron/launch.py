@@ -67,7 +67,8 @@ class _Ranks:
 
     # shared
     def ranks_of(self, cell: int) -> tuple[int, ...]:
-        return tuple(range(cell * self.opts.pp, (cell + 1) * self.opts.pp))
+        n = self.opts.cell_size
+        return tuple(range(cell * n, (cell + 1) * n))
 
     def submit(self, ranks: Sequence[int], method: str, *args: Any, **kwargs: Any) -> Ticket:
         seq = next(self._seq)
@@ -141,7 +142,7 @@ class World(_Ranks):
     def __init__(self, opts: RankOptions, n_queues: int = 4, start_timeout_s: float = 120.0) -> None:
         super().__init__()
         self.opts = opts
-        self.size = opts.cells * opts.pp
+        self.size = opts.cells * opts.cell_size
         self.ctx = mp.get_context("spawn")
         self.queues = [MicroStepQueue(self.ctx) for _ in range(n_queues)]
         self._next_queue = 0
@@ -238,14 +239,14 @@ class ClusterWorld(_Ranks):
     """The ranks of K cells, started by a cluster launcher (``torchrun``) on any number of nodes.
 
     The orchestrator serves the control plane (:mod:`gyre_megatron.control`) on ``(host, port)``
-    and waits up to ``join_timeout_s`` for ``cells × pp`` ranks to report in; the key in
+    and waits up to ``join_timeout_s`` for ``cells × tp × pp`` ranks to report in; the key in
     ``key_file`` (created, 0600, if absent) must be readable on every node. Each node runs::
 
         GYRE_CONTROL=host:port GYRE_CONTROL_KEY_FILE=key torchrun --nnodes N --nproc-per-node G \\
             --rdzv-backend c10d --rdzv-endpoint head:29400 -m gyre_megatron.worker
 
-    Global ranks are assigned node by node, so cell c (ranks ``c·pp … c·pp+pp−1``) lives on one
-    node when ``pp`` divides the ranks per node -- and its SGLang server is started there too
+    Global ranks are assigned node by node, so cell c (the ``n = tp·pp`` ranks from ``c·n``)
+    lives on one node when ``n`` divides the ranks per node -- and its SGLang server is started there too
     (:meth:`start_engine`), on the same devices.
     """
 
@@ -256,7 +257,7 @@ class ClusterWorld(_Ranks):
 
         super().__init__()
         self.opts = opts
-        self.size = opts.cells * opts.pp
+        self.size = opts.cells * opts.cell_size
         self.dead_after_s = dead_after_s
         key = read_key(key_file) if os.path.exists(key_file) else write_key(key_file)
         self.server = ControlServer(self.size, opts, host, port, key)

@@ -37,7 +37,7 @@ class ModelSpec:
         return asdict(self)
 
 
-def transformer_config(spec: ModelSpec, pp_size: int) -> Any:
+def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -56,6 +56,7 @@ def transformer_config(spec: ModelSpec, pp_size: int) -> Any:
         attention_dropout=0.0,
         use_cpu_initialization=True,
         pipeline_model_parallel_size=pp_size,
+        tensor_model_parallel_size=tp_size,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         calculate_per_token_loss=True,
@@ -79,13 +80,15 @@ def _seed_model_parallel_rng(seed: int) -> None:
         tracker.add("model-parallel-rng", seed + 2718)
 
 
-def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int) -> tuple[Any, Any]:
-    """This pipeline stage of the model, wrapped in megatron-core DDP (grad buffers, no sync)."""
+def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1) -> tuple[Any, Any]:
+    """This rank's shard of one pipeline stage, wrapped in megatron-core DDP (grad buffers, no
+    sync). With ``use_cpu_initialization`` megatron-core draws each full weight and keeps this
+    rank's slice, so a seeded model starts with the same weights at every ``tp_size``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, pp_size)
+    config = transformer_config(spec, pp_size, tp_size)
     torch.manual_seed(spec.seed + 1000 * pp_rank)
     _seed_model_parallel_rng(spec.seed)
     model = GPTModel(

@@ -1,13 +1,16 @@
 """One rank of a Gyre training cell: its pipeline stage, groups, and the step protocol.
 
-Layout: K cells with one parallel layout (here: a PP-stage pipeline per cell, TP = 1); cell 0 is
-the core. ``initialize_model_parallel(order="tp-cp-ep-pp-dp")`` puts data parallelism outermost,
-so cell ``c`` is the contiguous block of ranks ``c·P .. c·P+P−1`` and its pipeline group is
-megatron-core's own. All process groups exist from start-up because torch cannot grow a group:
+Layout: K cells with one parallel layout (a PP-stage pipeline of TP-wide stages per cell); cell
+0 is the core. ``initialize_model_parallel(order="tp-cp-ep-pp-dp")`` puts data parallelism
+outermost and tensor parallelism innermost, so cell ``c`` is the contiguous block of ``T·P``
+ranks from ``c·T·P``, rank ``c·T·P + s·T + t`` is tensor shard ``t`` of stage ``s``, and the
+pipeline and tensor groups are megatron-core's own. All process groups exist from start-up
+because torch cannot grow a group:
 
 * per cell, a gloo *side group* (the stream's control channel, join decisions, token counts);
-* for every prefix size ``m = 2..K`` and stage ``s``, the *prefix group* of ranks
-  ``{c·P+s : c < m}``: gradients are summed over the prefix of cells taking part in a step.
+* for every prefix size ``m = 2..K`` and shard ``(s, t)``, the *prefix group* of ranks
+  ``{c·T·P + s·T + t : c < m}``: gradients are summed over the prefix of cells taking part in
+  a step, shard by shard.
 
 Step protocol (``run_step``): the core exposes its weights (Mooncake), every participating cell's
 leader claims micro-steps from the shared queue and streams them through its pipeline; a satellite
@@ -83,6 +86,13 @@ class RankOptions:
     """A folder for ``rank<N>.log``: a rank the orchestrator spawns writes its stdout and stderr
     there (upstream notices, native logs), as each engine does to ``engine<N>.log``. Empty: the
     rank keeps its parent's console."""
+    tp: int = 1
+    """Tensor-parallel width of every stage (megatron-core's column/row-parallel layers)."""
+
+    @property
+    def cell_size(self) -> int:
+        """Ranks per cell: ``tp × pp``."""
+        return self.tp * self.pp
 
 
 class CellRank(RankChecks):
@@ -93,33 +103,39 @@ class CellRank(RankChecks):
         from megatron.core import parallel_state as ps
 
         self.rank, self.world, self.opts, self.queues = rank, world, opts, queues
-        K, P = opts.cells, opts.pp
-        assert world == K * P, f"world {world} != cells {K} x pp {P}"
-        self.cell, self.stage = divmod(rank, P)
+        K, P, T = opts.cells, opts.pp, opts.tp
+        n = opts.cell_size
+        assert world == K * n, f"world {world} != cells {K} x tp {T} x pp {P}"
+        self.cell, self.shard = divmod(rank, n)
+        """``shard``: this rank's place in its cell, ``stage·T + tp_rank`` (the same in every cell)."""
+        self.stage, self.tp_rank = divmod(self.shard, T)
         self.is_core = self.cell == 0
         ps.initialize_model_parallel(
+            tensor_model_parallel_size=T,
             pipeline_model_parallel_size=P,
             order="tp-cp-ep-pp-dp",
             distributed_timeout_minutes=opts.data_timeout_s / 60.0,
         )
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        assert sorted(dist.get_process_group_ranks(self.pp_group)) == list(range(self.cell * P, self.cell * P + P))
+        assert sorted(dist.get_process_group_ranks(self.pp_group)) == [
+            self.cell * n + s * T + self.tp_rank for s in range(P)]
+        self.tp_group = ps.get_tensor_model_parallel_group()
         side_to = timedelta(seconds=opts.side_timeout_s)
         data_to = timedelta(seconds=opts.data_timeout_s)
         self.side_group = None
         for c in range(K):  # new_group is collective over the world: same order everywhere
-            g = dist.new_group(list(range(c * P, c * P + P)), backend="gloo", timeout=side_to)
+            g = dist.new_group(list(range(c * n, c * n + n)), backend="gloo", timeout=side_to)
             if c == self.cell:
                 self.side_group = g
         self.prefix: dict[int, Any] = {}
         for m in range(2, K + 1):
-            for s in range(P):
-                g = dist.new_group([c * P + s for c in range(m)], backend="gloo", timeout=data_to)
-                if s == self.stage and self.cell < m:
+            for i in range(n):
+                g = dist.new_group([c * n + i for c in range(m)], backend="gloo", timeout=data_to)
+                if i == self.shard and self.cell < m:
                     self.prefix[m] = g
         self.store = dist.distributed_c10d._get_default_store()
         self.store.set_timeout(timedelta(seconds=opts.store_timeout_s))
-        self.ddp, self.config = build_stage(opts.spec, self.stage, P)
+        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T)
         self.model = self.ddp
         if opts.init_from:
             self._load_hf(opts.init_from)
@@ -131,8 +147,10 @@ class CellRank(RankChecks):
         opt = make_optimizer(self.ddp, opts.lr)
         self.optimizer = opt if self.is_core else None
         self.p2p = compat.P2P(self.pp_group, self.config)
-        self.leader = self.cell * P
-        self.last = self.cell * P + P - 1
+        self.leader = self.cell * n
+        """Stage 0, tensor shard 0: claims the cell's micro-steps."""
+        self.last = self.cell * n + (P - 1) * T
+        """Last stage, tensor shard 0: reports the cell's token count and objective figures."""
         self.offloader = Offloader()
         self.version = 0 if self.is_core else -1
         """Policy version this cell's parameters hold (``step`` before an update, ``step+1`` after);
@@ -143,12 +161,15 @@ class CellRank(RankChecks):
     def _load_hf(self, path: str) -> None:
         from gyre_megatron.hf_import import hf_to_megatron, load_hf_state
 
+        from gyre_megatron.tp_layout import shard_tp
+
         per_stage = self.opts.spec.num_layers // self.opts.pp
         named = dict(self.ddp.module.named_parameters())
         tensors = hf_to_megatron(load_hf_state(path), list(named), self.opts.spec, self.stage * per_stage)
         with torch.no_grad():
-            for name, t in tensors.items():
+            for name, full in tensors.items():
                 p = named[name]
+                t = shard_tp(name, full, self.opts.tp, self.tp_rank)
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
                 p.copy_(t.to(p.dtype))
@@ -209,6 +230,14 @@ class CellRank(RankChecks):
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 
+    def _local_grad_square(self) -> float:
+        """This rank's share of the squared gradient norm: a tensor replicated across the tensor
+        group (norm scales) counts on shard 0 only, as in megatron-core's own norm."""
+        if self.opts.tp == 1:
+            return sum(float(b.double().pow(2).sum()) for b in self.grad_buffers())
+        return sum(float(p.main_grad.double().pow(2).sum()) for p in self.ddp.module.parameters()
+                   if self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+
     def grads_numpy(self) -> list[Any]:
         return [p.main_grad.detach().clone().numpy() for p in self.ddp.module.parameters()]
 
@@ -216,20 +245,39 @@ class CellRank(RankChecks):
         return {n: p.detach().clone().numpy() for n, p in self.ddp.module.named_parameters()}
 
     def ping(self) -> dict[str, Any]:
-        return {"rank": self.rank, "cell": self.cell, "stage": self.stage, "mcore": compat.mcore_version(),
+        return {"rank": self.rank, "cell": self.cell, "stage": self.stage, "tp_rank": self.tp_rank,
+                "mcore": compat.mcore_version(),
                 "patch": None if self.patch is None else list(self.patch.notes), "pid": os.getpid()}
 
     # ------------------------------------------------------------------ §5 export
     def export_hf(self) -> dict[str, Any]:
-        """This stage's parameters under HF Qwen2 names (TP = 1: nothing to merge)."""
-        from gyre_megatron.export import megatron_to_hf
-
-        per_stage = self.opts.spec.num_layers // self.opts.pp
+        """This stage's parameters under HF Qwen2 names, its tensor shards merged (on shard 0;
+        the other shards of the stage answer ``{}``)."""
         # offloaded (Colocate publishes after the pool left training): read the host copy
-        state = {n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()}
+        return self._as_hf({n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()})
+
+    def _as_hf(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """This stage's tensors ``state`` (Megatron names, this rank's shards) in the serving
+        layout: gathered over the tensor group and merged, renamed on tensor shard 0."""
+        from gyre_megatron.export import megatron_to_hf
+        from gyre_megatron.tp_layout import merge_tp
+
+        if self.opts.tp > 1:  # every shard takes part in each gather, in the same (name) order
+            full = {}
+            for name, t in state.items():
+                parts = [torch.empty_like(t) for _ in range(self.opts.tp)]
+                dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
+                full[name] = merge_tp(name, parts)
+            if self.tp_rank != 0:
+                return {}
+            state = full
+        per_stage = self.opts.spec.num_layers // self.opts.pp
         # Clone before .numpy(): numpy on a view of a parameter marks the parameter's storage
         # non-resizable for good, and leave_training could no longer release it in place.
         return {k: v.detach().clone().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+
+    def _checkpoint_file(self, path: str) -> str:
+        return f"{path}.stage{self.stage}" + (f".tp{self.tp_rank}" if self.opts.tp > 1 else "")
 
     # ------------------------------------------------------------------ durability
     def save_checkpoint(self, path: str) -> dict[str, Any]:
@@ -242,7 +290,7 @@ class CellRank(RankChecks):
         state = {"params": [self.offloader.host_view(p).detach().clone() for p in self.params],
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "version": self.version}
-        final = f"{path}.stage{self.stage}"
+        final = self._checkpoint_file(path)
         torch.save(state, final + ".tmp")
         os.replace(final + ".tmp", final)
         return {"path": final, "version": self.version}
@@ -254,7 +302,7 @@ class CellRank(RankChecks):
         # Clone what torch.load made: its storages are not resizable, so leave_training could no
         # longer release them in place (the optimizer keeps the loaded state tensors as they are).
         # weights_only: a checkpoint path comes from the journal, and loading must not run code
-        state = _owned(torch.load(f"{path}.stage{self.stage}", weights_only=True))
+        state = _owned(torch.load(self._checkpoint_file(path), weights_only=True))
         with torch.no_grad():
             for p, saved in zip(self.params, state["params"], strict=True):
                 p.copy_(saved)
@@ -294,7 +342,7 @@ class CellRank(RankChecks):
         """
         info: dict[str, Any] = {"rank": self.rank, "cell": self.cell, "stage": self.stage}
         if self.is_core:
-            self.transport.expose(self._key(step, f"w{self.stage}"), self.params)
+            self.transport.expose(self._key(step, f"w{self.shard}"), self.params)
             self.version = step
         else:
             decision = None
@@ -308,7 +356,7 @@ class CellRank(RankChecks):
             info["joined"] = True
             if self.version != step:
                 t0 = time.monotonic()
-                nbytes, _ = self.transport.pull(self._key(step, f"w{self.stage}"), self.params)
+                nbytes, _ = self.transport.pull(self._key(step, f"w{self.shard}"), self.params)
                 info["pull_bytes"], info["pull_s"] = nbytes, time.monotonic() - t0
                 info["pull_from"] = self.transport.last_peer
                 self.version = step
@@ -380,12 +428,12 @@ class CellRank(RankChecks):
         self.store.set(self._key(step, f"alive{self.rank}"), "1")
         key = self._key(step, "survivors")
         if self.is_core and self.rank == self.leader:
-            P = self.opts.pp
+            n = self.opts.cell_size
             deadline = time.monotonic() + self.opts.data_timeout_s + 2.0
             alive = {0}
             while time.monotonic() < deadline and len(alive) < m:
                 for c in range(1, m):
-                    keys = [self._key(step, f"alive{c * P + s}") for s in range(P)]
+                    keys = [self._key(step, f"alive{c * n + i}") for i in range(n)]
                     if c not in alive and self.store.check(keys):
                         alive.add(c)
                 time.sleep(0.05)
@@ -439,7 +487,7 @@ class CellRank(RankChecks):
             if self.opts.normalise_by_tokens:  # not for objectives whose W_t already normalise
                 for buf in self.grad_buffers():
                     buf.div_(max(total, 1.0))
-            local = sum(float(b.double().pow(2).sum()) for b in self.grad_buffers())
+            local = self._local_grad_square()
             sq = torch.tensor([local], dtype=torch.float64)
             dist.all_reduce(sq, group=self.side_group)
             norm = float(sq.sqrt())
@@ -458,7 +506,7 @@ class CellRank(RankChecks):
         if not final and m > 1:
             try:
                 for p in self.params:
-                    dist.broadcast(p, src=self.stage, group=self.prefix[m])
+                    dist.broadcast(p, src=self.shard, group=self.prefix[m])  # the core's same shard
                 self.version = step + 1
             except Exception as e:  # a satellite died after the update: the core's step stands
                 info["broadcast_failed"] = f"{type(e).__name__}: {e}"[:300]

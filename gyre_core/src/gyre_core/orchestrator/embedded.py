@@ -226,7 +226,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     spec = {"num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size,
             "ffn_hidden_size": 2 * cfg.model.hidden_size, "num_attention_heads": 4, "num_query_groups": 2,
             "vocab_size": len(tokenizer), "max_seq_len": cfg.model.max_seq_len, "seed": cfg.run.seed + 1234}
-    train_opts = {"cells": k, "pp": cfg.training.pp, "model": spec, "lr": cfg.training.lr,
+    if len(tokenizer) % cfg.training.tp:
+        raise ConfigError(f"training.tp: the tokenizer has {len(tokenizer)} tokens, not a multiple of "
+                          f"training.tp {cfg.training.tp} (Megatron splits the vocabulary evenly)")
+    train_opts = {"cells": k, "pp": cfg.training.pp, "tp": cfg.training.tp, "model": spec, "lr": cfg.training.lr,
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
                   # one micro-step queue per step, plus the re-streams of steps that lost a cell
                   "max_steps": cfg.run.steps + 8, "publish_dir": str(out / "weights"),

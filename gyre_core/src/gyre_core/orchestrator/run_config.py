@@ -101,6 +101,8 @@ class DataPlaneSection:
 class TrainingSection:
     lr: float = 1e-4
     pp: int = 1
+    tp: int = 1
+    """Tensor-parallel width of each pipeline stage: a cell holds ``tp × pp`` ranks (GPUs)."""
     clip_grad: float = 1.0
     step_timeout_s: float = 600.0
     collective_timeout_s: float = 60.0
@@ -265,6 +267,7 @@ class RunConfig:
         need(self.dataplane.token_budget >= 64, "dataplane.token_budget", "must be ≥ 64")
         need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
         need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
+        need(self.training.tp >= 1, "training.tp", "must be ≥ 1")
         need(self.training.clip_grad >= 0 and math.isfinite(self.training.clip_grad), "training.clip_grad",
              "must be ≥ 0 (0: no clipping)")
         need(self.training.step_timeout_s > 0, "training.step_timeout_s", "must be > 0")
@@ -280,12 +283,16 @@ class RunConfig:
         if self.model.dir:
             need(Path(self.model.dir).is_dir(), "model.dir",
                  f"{self.model.dir} is not a directory (expected an HF model folder with config.json)")
+            for problem in tp_split_problems(Path(self.model.dir) / "config.json", self.training.tp):
+                need(False, "training.tp", problem)
         else:  # the tiny model is built from these sizes (4 attention heads, 2 KV groups)
             need(self.model.hidden_size >= 8 and self.model.hidden_size % 4 == 0, "model.hidden_size",
                  "must be ≥ 8 and a multiple of 4 (the tiny model has 4 attention heads)")
             need(self.model.num_layers >= 1, "model.num_layers", "must be ≥ 1")
             need(self.model.num_layers % self.training.pp == 0, "model.num_layers",
                  "must be a multiple of training.pp (each pipeline stage holds the same number of layers)")
+            need(self.training.tp in (1, 2), "training.tp",
+                 "must be 1 or 2 for the tiny model (2 KV groups split whole over the tensor-parallel ranks)")
             need(self.model.vocab_size >= 300, "model.vocab_size", "must be ≥ 300 (bytes and special tokens)")
         need(self.training.importance_cap > 0 and math.isfinite(self.training.importance_cap),
              "training.importance_cap", "must be a positive number")
@@ -432,3 +439,19 @@ def load_run_config(path: str | Path | None = None, overrides: Mapping[str, Any]
     for name, section in raw.items():
         setattr(cfg, name, _build_section(name, section))
     return cfg.validate()
+
+
+def tp_split_problems(config_json: Path, tp: int) -> list[str]:
+    """Why an HF model's sizes cannot split evenly over ``tp`` tensor-parallel ranks (empty: they
+    can). Megatron divides attention heads, KV groups, the FFN width and the vocabulary."""
+    if tp == 1:
+        return []
+    try:
+        raw = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return []  # the model check reports an unreadable config.json by itself
+    sizes = {"num_attention_heads": raw.get("num_attention_heads"),
+             "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
+             "intermediate_size": raw.get("intermediate_size"), "vocab_size": raw.get("vocab_size")}
+    return [f"{config_json}: {k} {v} is not a multiple of training.tp {tp}"
+            for k, v in sizes.items() if isinstance(v, int) and v % tp]

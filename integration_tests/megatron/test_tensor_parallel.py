@@ -1,0 +1,185 @@
+"""Tensor parallelism inside a cell: megatron-core's column/row-parallel layers over gloo.
+
+One HF Qwen2 checkpoint (GQA, untied, random biases and norm scales; built locally) starts every
+layout: TP 1 × PP 1 (the reference), TP 2 × PP 1 and TP 2 × PP 2. On the same GSPO micro-steps,
+streamed through the cell's queue as the live run streams them, each layout gives the reference's
+loss and gradients (merged from the shards, under HF names), the same gradient norm (a norm scale
+replicated on both shards counts once), and after an update the same weights. Exporting the
+imported shards gives back the checkpoint's tensors exactly. A second cell of TP 2 joins a step
+(Mooncake pulls shard by shard; the prefix groups reduce each shard with its twin) and the
+update equals the single cell's.
+
+Tolerance: float32 sums in a different order (tensor-parallel all-reduces): 1e-5 of the largest
+gradient entry, 1e-6 relative on the loss, 1e-6 absolute on the updated weights.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
+transformers = pytest.importorskip("transformers")
+
+LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (tp, pp); the first is the reference
+
+
+def build_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(21)
+    cfg = transformers.Qwen2Config(
+        vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=128, rope_theta=50000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, torch_dtype="float32")
+    model = transformers.Qwen2ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _microsteps() -> list:
+    from gyre_megatron.testing import make_microsteps
+
+    return make_microsteps(4, rows=2, seq_len=20, vocab=160, seed=3)
+
+
+def _hf_state(parts: list[dict]) -> dict[str, np.ndarray]:
+    return {k: v for part in parts for k, v in part.items()}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Per layout: gradients and loss of one streamed batch, the export, one update."""
+    from safetensors.torch import load_file
+
+    from gyre_megatron.export import publish
+    from gyre_megatron.hf_import import spec_from_hf_dir
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import feed_in_bursts
+
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    original = build_checkpoint(ckpt)
+    spec = spec_from_hf_dir(ckpt)
+    out: dict[tuple[int, int], dict] = {}
+    for tp, pp in LAYOUTS:
+        opts = RankOptions(cells=1, tp=tp, pp=pp, spec=spec, init_from=str(ckpt), normalise_by_tokens=False,
+                           clip_grad=1e-3)
+        with World(opts, n_queues=2) as w:
+            core = w.ranks_of(0)
+            ranks = {(i["stage"], i["tp_rank"]): i["rank"] for i in w.info}
+            exported = publish(w, {"publish_dir": str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}"))}, version=0)
+            tk = w.submit(core, "stream_grads_hf", 0)
+            feed_in_bursts(w.queues[0], _microsteps(), burst=2, gap_s=0)
+            streamed = w.wait(tk, 180)
+            tk = w.submit(core, "run_step", 0, 1)
+            feed_in_bursts(w.queues[1], _microsteps(), burst=4, gap_s=0)
+            stepped = w.wait(tk, 180)
+            after = _hf_state(w.call(core, "export_hf"))
+        out[(tp, pp)] = {
+            "ranks": ranks,
+            "grads": _hf_state([s["grads"] for s in streamed]),
+            "loss": sum(s["objective"]["loss"] for s in streamed if "objective" in s),
+            "objectives": sum("objective" in s for s in streamed),
+            "export": load_file(str(Path(exported.location) / "model.safetensors")),
+            "grad_norm": [s["grad_norm"] for s in stepped],
+            "after": after,
+        }
+    return original, out
+
+
+def test_ranks_are_laid_out_tensor_innermost(measured) -> None:
+    _, out = measured
+    assert out[(2, 2)]["ranks"] == {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
+    assert out[(2, 1)]["ranks"] == {(0, 0): 0, (0, 1): 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda x: f"tp{x[0]}pp{x[1]}")
+def test_loss_and_gradients_equal_tp1(measured, layout) -> None:
+    _, out = measured
+    ref, got = out[(1, 1)], out[layout]
+    assert got["objectives"] == 1, "one rank (last stage, shard 0) reports the cell's objective"
+    assert abs(got["loss"] - ref["loss"]) <= 1e-6 * max(1.0, abs(ref["loss"])), (got["loss"], ref["loss"])
+    assert set(got["grads"]) == set(ref["grads"])
+    scale = max(float(np.abs(g).max()) for g in ref["grads"].values())
+    assert scale > 0
+    for k, g in ref["grads"].items():
+        err = float(np.abs(got["grads"][k] - g).max())
+        assert err <= 1e-5 * scale, (k, err, scale)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda x: f"tp{x[0]}pp{x[1]}")
+def test_grad_norm_and_update_equal_tp1(measured, layout) -> None:
+    _, out = measured
+    ref, got = out[(1, 1)], out[layout]
+    norm = ref["grad_norm"][0]
+    assert norm > 1e-3, "the test's clip (1e-3) must be active"
+    assert all(abs(n - norm) <= 1e-5 * norm for n in got["grad_norm"]), (got["grad_norm"], norm)
+    for k, v in ref["after"].items():
+        assert float(np.abs(got["after"][k] - v).max()) <= 1e-6, k
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}")
+def test_export_of_the_sharded_import_gives_back_the_checkpoint(measured, layout) -> None:
+    original, out = measured
+    exported = out[layout]["export"]
+    assert set(exported) == set(original)
+    for k, v in original.items():
+        assert torch.equal(exported[k], v), k
+
+
+@pytest.mark.mooncake
+def test_a_tp2_satellite_joins_and_the_update_equals_one_cell(measured, tmp_path) -> None:
+    """Two cells of TP 2: the satellite pulls the core's weights shard by shard, both cells
+    stream micro-steps, each shard's gradients are summed with its twin's; the update equals the
+    single cell's on the same batch."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda + libibverbs1)")
+    from gyre_megatron.hf_import import spec_from_hf_dir
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import feed_in_bursts
+
+    original, out = measured
+    ckpt = tmp_path / "ckpt"
+    build_checkpoint(ckpt)
+    spec = spec_from_hf_dir(ckpt)
+    opts = RankOptions(cells=2, tp=2, pp=1, spec=spec, init_from=str(ckpt), normalise_by_tokens=False,
+                       clip_grad=1e-3)
+    micro = _microsteps()
+    with World(opts, n_queues=3) as w:
+        core, sat = w.ranks_of(0), w.ranks_of(1)
+        assert (core, sat) == ((0, 1), (2, 3))
+        w.call(core + sat, "save_state")
+        for attempt in range(3):  # a loaded machine may let the core take every micro-step
+            q = w.queues[attempt]
+            tk_core = w.submit(core, "run_step", 0, attempt)
+            q.put(micro[0])
+            deadline = time.monotonic() + 30
+            while q.unclaimed() > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            tk_sat = w.submit(sat, "run_step", 0, attempt)
+            time.sleep(1.5)  # the satellite registers and pulls before the rest arrives
+            feed_in_bursts(q, micro[1:], burst=1, gap_s=0.3)
+            info = w.wait(tk_core, 180) + w.wait(tk_sat, 180)
+            if all(i.get("m") == 2 for i in info):
+                break
+            w.call(core + sat, "restore_state")
+        assert all(i.get("m") == 2 for i in info), info
+        pulled = [i for i in info if i["cell"] == 1]
+        assert all(i["joined"] and i["pull_bytes"] > 0 for i in pulled)
+        assert sum(i["micro_steps"] for i in info if i["rank"] in (0, 2)) == len(micro)
+        after_core = _hf_state(w.call(core, "export_hf"))
+        sat_params = w.call(sat, "params_numpy")
+        core_params = w.call(core, "params_numpy")
+    norm = out[(1, 1)]["grad_norm"][0]
+    assert all(abs(i["grad_norm"] - norm) <= 1e-5 * norm for i in info if i["cell"] == 0)
+    for k, v in out[(1, 1)]["after"].items():
+        assert float(np.abs(after_core[k] - v).max()) <= 1e-6, k
+    for c, s in zip(core_params, sat_params):  # the new weights went to the satellite's shards
+        assert all(np.array_equal(c[k], s[k]) for k in c)
