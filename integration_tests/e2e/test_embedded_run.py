@@ -36,6 +36,9 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     assert "Local segment descriptor not found" in (out / "upstream.log").read_text()
     assert "Transformer Engine and Apex" in (out / "upstream.log").read_text()
     assert (out / "rank0.log").exists() and (out / "rank1.log").exists()
+    # the plan: where each cell's ranks and engine run, printed once the engines are up
+    assert "cell 0 (core): node " in proc.stderr and "devices cpu · ranks [0] (tp 1 × pp 1) · engine http://127.0.0.1:" in proc.stderr
+    assert "cell 1 (satellite): node " in proc.stderr
 
     assert summary["steps"] == 3
     assert len(summary["rewards"]) == 3 and all(r is None or 0.0 <= r <= 1.0 for r in summary["rewards"])

@@ -15,6 +15,7 @@ gradient entry, 1e-6 relative on the loss, 1e-6 absolute on the updated weights.
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -74,6 +75,7 @@ def measured(tmp_path_factory):
         with World(opts, n_queues=2) as w:
             core = w.ranks_of(0)
             ranks = {(i["stage"], i["tp_rank"]): i["rank"] for i in w.info}
+            assert all(i["device"] == "cpu" and i["node"] == socket.gethostname() for i in w.info)
             exported = publish(w, {"publish_dir": str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}"))}, version=0)
             tk = w.submit(core, "stream_grads_hf", 0)
             feed_in_bursts(w.queues[0], _microsteps(), burst=2, gap_s=0)

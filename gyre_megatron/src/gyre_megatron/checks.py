@@ -103,13 +103,13 @@ class RankChecks:
         assert self.opts.pp == 1
         with torch.no_grad():
             out = self.ddp.module(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
-        return out.detach().clone().numpy()
+        return out.detach().clone().cpu().numpy()
 
     def state_digest(self) -> str:
         h = hashlib.sha256()
         for t in self._state_tensors():
             # clone first: .numpy() on the live tensor would pin its storage (no longer resizable)
-            h.update(t.detach().clone().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().clone().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
         return h.hexdigest()
 
     # ------------------------------------------------------------------ test support

@@ -102,6 +102,8 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1) -
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
     )
+    if torch.cuda.is_available():  # initialised on the host (the same weights at any TP), trained here
+        model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
@@ -142,7 +144,7 @@ def _gspo_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
     logprobs = -output_tensor.float().reshape(-1)
     labels = item["labels"].reshape(-1)
     batch = TokenBatch(
-        token_ids=labels, cu_seqlens=torch.tensor([0, len(labels)]),
+        token_ids=labels, cu_seqlens=torch.tensor([0, len(labels)], device=labels.device),
         loss_weights=item["loss_mask"].reshape(-1).float(),
         behaviour_logprobs=item["behaviour_logprobs"].reshape(-1).float(),
         advantages=item["advantages"].reshape(-1).float(),
@@ -162,8 +164,11 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
     Data-plane items (they carry ``advantages``) are trained on the GSPO objective; plain items
     on the per-token loss ``Σ mask · (−log π)``."""
     item = next(data_iterator)
+    if torch.cuda.is_available():  # the control channel delivers items in host memory
+        dev = torch.device("cuda", torch.cuda.current_device())
+        item = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in item.items()}
     tokens = item["tokens"]
-    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0)
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     out = model(tokens, position_ids, None, labels=item["labels"])
     if "advantages" in item:
         return out, partial(_gspo_loss, item)

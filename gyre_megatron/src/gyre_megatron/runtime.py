@@ -130,7 +130,7 @@ class CellRank(RankChecks):
         self.prefix: dict[int, Any] = {}
         for m in range(2, K + 1):
             for i in range(n):
-                g = dist.new_group([c * n + i for c in range(m)], backend="gloo", timeout=data_to)
+                g = dist.new_group([c * n + i for c in range(m)], backend=data_backend(), timeout=data_to)
                 if i == self.shard and self.cell < m:
                     self.prefix[m] = g
         self.store = dist.distributed_c10d._get_default_store()
@@ -239,13 +239,17 @@ class CellRank(RankChecks):
                    if self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
 
     def grads_numpy(self) -> list[Any]:
-        return [p.main_grad.detach().clone().numpy() for p in self.ddp.module.parameters()]
+        return [p.main_grad.detach().clone().cpu().numpy() for p in self.ddp.module.parameters()]
 
     def params_numpy(self) -> dict[str, Any]:
-        return {n: p.detach().clone().numpy() for n, p in self.ddp.module.named_parameters()}
+        return {n: p.detach().clone().cpu().numpy() for n, p in self.ddp.module.named_parameters()}
 
     def ping(self) -> dict[str, Any]:
+        import socket
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return {"rank": self.rank, "cell": self.cell, "stage": self.stage, "tp_rank": self.tp_rank,
+                "node": socket.gethostname(), "device": device,
                 "mcore": compat.mcore_version(),
                 "patch": None if self.patch is None else list(self.patch.notes), "pid": os.getpid()}
 
@@ -274,7 +278,7 @@ class CellRank(RankChecks):
         per_stage = self.opts.spec.num_layers // self.opts.pp
         # Clone before .numpy(): numpy on a view of a parameter marks the parameter's storage
         # non-resizable for good, and leave_training could no longer release it in place.
-        return {k: v.detach().clone().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+        return {k: v.detach().clone().cpu().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
 
     def _checkpoint_file(self, path: str) -> str:
         return f"{path}.stage{self.stage}" + (f".tp{self.tp_rank}" if self.opts.tp > 1 else "")
@@ -543,6 +547,23 @@ def _owned(obj: Any) -> Any:
     return obj
 
 
+def data_backend() -> str:
+    """The backend of the default and data groups: gloo on CPU; with CUDA gloo for CPU tensors and
+    NCCL for device tensors (one group serves both)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device this rank trains on, made current: ``cuda:LOCAL_RANK`` (a launcher's local
+    rank; ranks spawned on one machine take GPUs in rank order, so a cell's ranks hold adjacent
+    GPUs), or the CPU where CUDA is absent."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def log_to(path: str) -> None:
     """Point this process's stdout and stderr (the descriptors, so native code too) at ``path``."""
     import sys
@@ -577,9 +598,13 @@ def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queue
 
     warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    torch.set_num_threads(1)
+    device = rank_device(rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+        # with CUDA, tensors on the GPU go over NCCL (gradients, pipeline, tensor-parallel
+        # collectives) and CPU tensors over gloo (control messages, token counts) in every group
+        dist.init_process_group(data_backend(), init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=opts.store_timeout_s))
         cr = CellRank(rank, world, opts, queues)
         res_q.put((rank, -1, True, cr.ping()))

@@ -90,6 +90,13 @@ class MegatronTrainingSide:
         self.last_step_info: list[dict[str, Any]] = []
         """Per-rank statistics of the last step this cell closed (claims, m, pull, grad norm)."""
 
+    def placement(self) -> dict[str, Any]:
+        """Where this cell's ranks run (node and device per rank, as each reported at start)."""
+        info = [self.world.info[r] for r in self.ranks]
+        return {"cell": self.cell, "ranks": list(self.ranks), "tp": self.world.opts.tp, "pp": self.world.opts.pp,
+                "nodes": sorted({str(i.get("node", "?")) for i in info}),
+                "devices": [str(i.get("device", "cpu")) for i in info]}
+
     def _queue_index(self, step: int) -> int:
         with _lock:
             key = (id(self.world), step)

@@ -193,7 +193,7 @@ def run_streaming_1f1b(
         y, n = compat.forward_step(
             forward_step_func, iter([item]), model, x, store, config, p2p.is_last, res.micro_steps
         )
-        total += n.to(torch.int64)
+        total += n.detach().to(device="cpu", dtype=torch.int64)  # a count on the host
         res.micro_steps += 1
         return y
 

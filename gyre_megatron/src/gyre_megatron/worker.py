@@ -53,6 +53,8 @@ def _serve_engines(client: ControlClient) -> None:
                 pm = pm or plugin_manager()
                 if options.get("log_path"):
                     os.makedirs(os.path.dirname(str(options["log_path"])) or ".", exist_ok=True)
+                if "LOCAL_RANK" in os.environ:  # the cell's first rank: its GPUs start at this one
+                    options = {**options, "base_gpu_id": int(os.environ["LOCAL_RANK"])}
                 engine = pm.hook.gyre_start_engine(model_dir=model_dir, options=options)
                 if engine is None:
                     raise RuntimeError("no serving backend on this node: install gyre-sglang (and SGLang)")

@@ -87,6 +87,10 @@ class SGLangServer:
     env: dict[str, str] = field(default_factory=dict)
     log_path: str | Path | None = None
     api_key: str | None = None
+    base_gpu_id: int | None = None
+    """The first of the cell's GPUs (``--base-gpu-id``); with ``tp_size`` the engine spans the
+    GPUs its cell trains on. Ignored without CUDA, and where ``extra_args`` name their own."""
+    tp_size: int = 1
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -112,12 +116,25 @@ class SGLangServer:
                 # machine that core is the training ranks' and the harnesses'. Gyre's side channel
                 # is in the sleeper's poller, so its requests still wake the scheduler at once.
                 cmd += ["--sleep-on-idle"]
+        else:
+            cmd += self.gpu_args()
         if "--custom-weight-loader" not in self.extra_args:
             # Gyre's Mooncake weight publication (gyre_sglang.weight_publication) loads through it.
             from gyre_sglang.weight_publication import LOADER
 
             cmd += ["--custom-weight-loader", LOADER]
         return cmd + list(self.extra_args)
+
+    def gpu_args(self) -> list[str]:
+        """``--base-gpu-id`` and ``--tp-size`` for this engine's GPUs, unless the user's
+        ``extra_args`` already place it."""
+        given = {a.split("=", 1)[0] for a in self.extra_args}
+        out: list[str] = []
+        if self.base_gpu_id is not None and "--base-gpu-id" not in given:
+            out += ["--base-gpu-id", str(self.base_gpu_id)]
+        if not given & {"--tp", "--tp-size", "--tensor-parallel-size"}:
+            out += ["--tp-size", str(self.tp_size)]
+        return out
 
     def _environment(self) -> dict[str, str]:
         # An engine is a distributed job of its own: the rank variables of a launcher that started

@@ -90,7 +90,7 @@ class TokenBatch:
         """Position of each token inside its own row (positions restart at every row)."""
         lengths = self.cu_seqlens.diff()
         starts = torch.repeat_interleave(self.cu_seqlens[:-1], lengths)
-        return torch.arange(len(self.token_ids)) - starts
+        return torch.arange(len(self.token_ids), device=starts.device) - starts
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:

@@ -285,14 +285,19 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
             "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key, "mooncake": mooncake}
 
+    n = cfg.training.tp * cfg.training.pp  # GPUs per cell; its engine spans them (SGLang tensor parallelism)
     started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
-                                                       {**opts, "log_path": str(out / f"engine{i}.log")}, engines)
+                                                       {**opts, "log_path": str(out / f"engine{i}.log"),
+                                                        "base_gpu_id": i * n, "tp_size": n}, engines)
                                      for i in range(k)))
     standalone_engine = None
     if cfg.scheduler.standalone_capacity > 0:  # the pool: an engine of its own on this node, never switched
         standalone_engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model_dir,
-                                                    {**opts, "log_path": str(out / "engine-standalone.log")}, engines)
+                                                    {**opts, "log_path": str(out / "engine-standalone.log"),
+                                                     "base_gpu_id": k * n, "tp_size": 1}, engines)
     say(f"engines ready after {time.monotonic() - t0:.0f} s")
+    for line in placement_plan(training, started, standalone_engine):
+        say(line)
 
     service = ProxyService(ChatRenderer(tokenizer), ProxyConfig(
         served_models=(cfg.model.name,),
@@ -395,6 +400,26 @@ async def _republished(core: Any, replay: Replay, out: Path, say: Callable[[str]
         ref = await asyncio.to_thread(core.publish_weights, v)
         folder = Path(ref.location)
     return WeightsRef(v, str(folder))
+
+
+def placement_plan(training: Sequence[Any], engines: Sequence[Any], standalone: Any = None) -> list[str]:
+    """One line per cell: cell → node → devices → ranks → engine (where each part runs).
+
+    A cell's engine starts on the GPUs its ranks train on (``--base-gpu-id`` at the cell's first
+    GPU, ``--tp-size`` its GPU count); on a machine without CUDA every part runs on the CPU."""
+    lines = []
+    for side, engine in zip(training, engines):
+        where = side.placement() if hasattr(side, "placement") else {}
+        role = "core" if side.cell == 0 else "satellite"
+        gpus = getattr(engine, "gpu_args", lambda: [])() if where.get("devices", ["cpu"])[0] != "cpu" else []
+        lines.append(
+            f"cell {side.cell} ({role}): node {','.join(where.get('nodes', ['?']))} · "
+            f"devices {','.join(where.get('devices', ['?']))} · ranks {list(where.get('ranks', []))} "
+            f"(tp {where.get('tp', 1)} × pp {where.get('pp', 1)}) · engine {getattr(engine, 'url', '?')}"
+            + (f" {' '.join(gpus)}" if gpus else ""))
+    if standalone is not None:
+        lines.append(f"standalone pool: engine {getattr(standalone, 'url', '?')} (never trains)")
+    return lines
 
 
 def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, options: dict[str, Any],
