@@ -53,6 +53,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"model.num_layers": "-2"}, "model.num_layers"),
     ({"model.num_layers": "3", "training.pp": "2"}, "model.num_layers"),
     ({"training.tp": "0"}, "training.tp"),
+    ({"training.precision": '"fp16"'}, "training.precision"),
     ({"training.tp": "4"}, "training.tp"),
     ({"sampling.top_p": "5"}, "sampling.top_p"),
     ({"proxy.host": '""'}, "proxy.host"),

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from gyre_megatron.model import megatron_name
 from gyre_megatron.tp_layout import merge_tp
 
 __all__ = ["hf_config", "load_hf_qwen2", "megatron_to_hf", "merge_tp", "publish"]
@@ -46,7 +47,7 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: i
     hd = spec.hidden_size // spec.num_attention_heads
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        name = name.removeprefix("module.")
+        name = megatron_name(name)
         t = t.detach().float().contiguous()
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t

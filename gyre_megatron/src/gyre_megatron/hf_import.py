@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 import torch
 
+from gyre_megatron.model import megatron_name
+
 __all__ = ["UnsupportedModel", "hf_to_megatron", "load_hf_state", "spec_from_hf_config", "spec_from_hf_dir"]
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
@@ -123,7 +125,7 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, 
 
     out: dict[str, torch.Tensor] = {}
     for full in names:
-        name = full.removeprefix("module.")
+        name = megatron_name(full)
         if name == "embedding.word_embeddings.weight":
             t = get("model.embed_tokens.weight")
         elif name == "decoder.final_layernorm.weight":

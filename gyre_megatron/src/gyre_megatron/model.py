@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["ModelSpec", "build_stage", "gpt_forward_step", "make_optimizer"]
+__all__ = ["PRECISIONS", "ModelSpec", "build_stage", "gpt_forward_step", "make_optimizer", "megatron_name"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,18 @@ class ModelSpec:
         return asdict(self)
 
 
-def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1) -> Any:
+PRECISIONS = ("fp32", "bf16")
+"""``fp32``: parameters, activations and optimizer in float32. ``bf16``: parameters, activations
+and pipeline messages in bfloat16; gradients reduced and the optimizer (Adam state and master
+weights) kept in float32 -- megatron-core's mixed precision."""
+
+
+def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precision: str = "fp32") -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -57,8 +67,9 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1) -> Any:
         use_cpu_initialization=True,
         pipeline_model_parallel_size=pp_size,
         tensor_model_parallel_size=tp_size,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=precision == "bf16",
         calculate_per_token_loss=True,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -66,6 +77,14 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1) -> Any:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+
+
+def megatron_name(name: str) -> str:
+    """A parameter's name inside the GPT model, without its wrappers' ``module.`` prefixes (DDP,
+    and with bf16 the Float16Module)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
 
 
 def _seed_model_parallel_rng(seed: int) -> None:
@@ -80,7 +99,8 @@ def _seed_model_parallel_rng(seed: int) -> None:
         tracker.add("model-parallel-rng", seed + 2718)
 
 
-def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1) -> tuple[Any, Any]:
+def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, precision: str = "fp32"
+                ) -> tuple[Any, Any]:
     """This rank's shard of one pipeline stage, wrapped in megatron-core DDP (grad buffers, no
     sync). With ``use_cpu_initialization`` megatron-core draws each full weight and keeps this
     rank's slice, so a seeded model starts with the same weights at every ``tp_size``."""
@@ -88,7 +108,7 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1) -
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, pp_size, tp_size)
+    config = transformer_config(spec, pp_size, tp_size, precision)
     torch.manual_seed(spec.seed + 1000 * pp_rank)
     _seed_model_parallel_rng(spec.seed)
     model = GPTModel(
@@ -104,6 +124,10 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1) -
     )
     if torch.cuda.is_available():  # initialised on the host (the same weights at any TP), trained here
         model.cuda(torch.cuda.current_device())
+    if precision == "bf16":  # bf16 in, float32 out of the last stage (the loss is taken in float32)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
@@ -111,16 +135,18 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1) -
     return ddp, config
 
 
-def make_optimizer(ddp: Any, lr: float = 1e-3) -> Any:
-    """megatron-core's optimizer (Adam, fp32) for one stage of the core cell.
+def make_optimizer(ddp: Any, lr: float = 1e-3, precision: str = "fp32") -> Any:
+    """megatron-core's optimizer (Adam, fp32 state) for one stage of the core cell; with
+    ``bf16`` parameters it keeps float32 master weights and copies them back after each step.
 
     ``clip_grad=0``: megatron's clip_grads asserts CUDA tensor types, and Gyre clips on the core
     itself over the core's whole pipeline (see :mod:`gyre_megatron.runtime`).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, bf16=False, fp16=False,
-                          params_dtype=torch.float32, use_distributed_optimizer=False)
+    bf16 = precision == "bf16"
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, bf16=bf16, fp16=False,
+                          params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False)
     return get_megatron_optimizer(cfg, [ddp])
 
 

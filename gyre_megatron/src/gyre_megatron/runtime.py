@@ -88,6 +88,8 @@ class RankOptions:
     rank keeps its parent's console."""
     tp: int = 1
     """Tensor-parallel width of every stage (megatron-core's column/row-parallel layers)."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16`` parameters with a float32 optimizer (see :data:`gyre_megatron.model.PRECISIONS`)."""
 
     @property
     def cell_size(self) -> int:
@@ -103,6 +105,9 @@ class CellRank(RankChecks):
         from megatron.core import parallel_state as ps
 
         self.rank, self.world, self.opts, self.queues = rank, world, opts, queues
+        if opts.precision == "bf16" and not torch.cuda.is_available():
+            raise ValueError("precision bf16 needs CUDA: megatron-core's mixed-precision optimizer wraps only "
+                             "CUDA parameters (use fp32 on a machine without GPUs)")
         K, P, T = opts.cells, opts.pp, opts.tp
         n = opts.cell_size
         assert world == K * n, f"world {world} != cells {K} x tp {T} x pp {P}"
@@ -135,7 +140,7 @@ class CellRank(RankChecks):
                     self.prefix[m] = g
         self.store = dist.distributed_c10d._get_default_store()
         self.store.set_timeout(timedelta(seconds=opts.store_timeout_s))
-        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T)
+        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision)
         self.model = self.ddp
         if opts.init_from:
             self._load_hf(opts.init_from)
@@ -144,7 +149,7 @@ class CellRank(RankChecks):
         self.embedding_group = ps.get_embedding_group() if opts.spec.tie_embeddings and P > 1 else None
         # get_megatron_optimizer gathers parameter keys over the whole world, so every rank builds
         # one; only the core keeps it (Adam allocates no state before its first step).
-        opt = make_optimizer(self.ddp, opts.lr)
+        opt = make_optimizer(self.ddp, opts.lr, opts.precision)
         self.optimizer = opt if self.is_core else None
         self.p2p = compat.P2P(self.pp_group, self.config)
         self.leader = self.cell * n
@@ -178,6 +183,7 @@ class CellRank(RankChecks):
         if self.embedding_group is None or not (self.stage == 0 or self.stage == self.opts.pp - 1):
             return
         module = self.ddp.module
+        module = getattr(module, "module", module)  # bf16: inside the Float16Module
         weight = module.shared_embedding_or_output_weight()
         dist.all_reduce(weight.main_grad, group=self.embedding_group)
 
@@ -242,7 +248,8 @@ class CellRank(RankChecks):
         return [p.main_grad.detach().clone().cpu().numpy() for p in self.ddp.module.parameters()]
 
     def params_numpy(self) -> dict[str, Any]:
-        return {n: p.detach().clone().cpu().numpy() for n, p in self.ddp.module.named_parameters()}
+        # numpy has no bfloat16: bf16 parameters are read as float32 (exactly representable)
+        return {n: p.detach().clone().cpu().float().numpy() for n, p in self.ddp.module.named_parameters()}
 
     def ping(self) -> dict[str, Any]:
         import socket
@@ -322,6 +329,8 @@ class CellRank(RankChecks):
         if self.optimizer is not None:
             for st in self.optimizer.optimizer.state.values():
                 ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
+            # bf16: the float32 master weights (fp32: the parameters themselves, already counted)
+            ts += [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]
         return ts
 
     def leave_training(self) -> dict[str, Any]:

@@ -103,6 +103,8 @@ class TrainingSection:
     pp: int = 1
     tp: int = 1
     """Tensor-parallel width of each pipeline stage: a cell holds ``tp × pp`` ranks (GPUs)."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16`` parameters and activations with a float32 optimizer (needs CUDA)."""
     clip_grad: float = 1.0
     step_timeout_s: float = 600.0
     collective_timeout_s: float = 60.0
@@ -268,6 +270,7 @@ class RunConfig:
         need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
         need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
         need(self.training.tp >= 1, "training.tp", "must be ≥ 1")
+        need(self.training.precision in ("fp32", "bf16"), "training.precision", "must be \"fp32\" or \"bf16\"")
         need(self.training.clip_grad >= 0 and math.isfinite(self.training.clip_grad), "training.clip_grad",
              "must be ≥ 0 (0: no clipping)")
         need(self.training.step_timeout_s > 0, "training.step_timeout_s", "must be > 0")
