@@ -7,6 +7,10 @@ memory once per step and publishes the addresses in the c10d store) and the sate
 them. The parameters are a valid snapshot for the whole join window because the core only
 updates them after the gradient all-reduce, which the satellite itself takes part in after its
 pull. A checksum published with the layout lets the satellite refuse a torn or wrong read.
+
+Parameters on a GPU travel through pinned host copies: the Mooncake build Gyre depends on
+registers host memory only. The copy costs one device-to-host pass on the core per step and one
+host-to-device pass on each joining satellite.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class WeightTransport:
         self.endpoint = endpoint or MooncakeEndpoint()
         self._engine: Any = None
         self._registered: set[int] = set()
+        self._staged: list[torch.Tensor] = []
+        """Pinned host copies of exposed device tensors (kept until :meth:`release`)."""
         self.last_peer = ""
         """The Mooncake session the last :meth:`pull` read from (the core's advertised address)."""
 
@@ -73,9 +79,14 @@ class WeightTransport:
             for addr in self._registered:
                 self._engine.unregister_memory(addr)
         self._registered.clear()
+        self._staged = []
 
     def expose(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
         """Core: make ``tensors`` readable and publish where they are under ``key``."""
+        if any(t.is_cuda for t in tensors):
+            self.release()  # the previous window's copies go first
+            self._staged = [_host_copy(t) for t in tensors]
+            tensors = self._staged
         bufs = [self._register(t) for t in tensors]
         peer = f"{self.host}:{self.engine.get_rpc_port()}"
         self.store.set(key, json.dumps({"peer": peer, "bufs": bufs, "checksum": checksum(tensors)}))
@@ -84,6 +95,10 @@ class WeightTransport:
         """Satellite: read the exposed tensors into ``tensors``; return (bytes, seconds)."""
         t0 = time.monotonic()
         meta = json.loads(self.store.get(key))
+        targets = list(tensors)
+        staged = any(t.is_cuda for t in targets)
+        if staged:  # read into pinned host buffers, then onto the device
+            tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in targets]
         if len(meta["bufs"]) != len(tensors):
             raise RuntimeError(f"{key}: layout mismatch ({len(meta['bufs'])} vs {len(tensors)} tensors)")
         local = [self._register(t) for t in tensors]
@@ -99,4 +114,14 @@ class WeightTransport:
         got = checksum(tensors)
         if abs(got - meta["checksum"]) > 1e-9 * max(1.0, abs(meta["checksum"])):
             raise RuntimeError(f"{key}: checksum mismatch after pull ({got} vs {meta['checksum']})")
+        if staged:
+            for t, h in zip(targets, tensors):
+                t.copy_(h)
+            for a, _ in local:  # the host buffers die here: their registration with them
+                self.engine.unregister_memory(a)
+                self._registered.discard(a)
         return sum(n for _, n in local), time.monotonic() - t0
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
