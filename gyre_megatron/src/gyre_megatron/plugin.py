@@ -43,4 +43,5 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
     from gyre_megatron.preflight import training_side_problems
 
     return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)),
-                                  model_dir=str(config.get("model", {}).get("dir") or ""))
+                                  model_dir=str(config.get("model", {}).get("dir") or ""),
+                                  launcher=str(config.get("cluster", {}).get("launcher") or "local"))

@@ -98,8 +98,10 @@ def model_problems(model_dir: str) -> list[str]:
     return []
 
 
-def training_side_problems(cells: int, model_dir: str = "") -> list[str]:
+def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local") -> list[str]:
     problems: list[str] = []
+    if launcher == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append("Ray: not installed, and cluster.launcher = \"ray\" needs it (pip install 'gyre-megatron[ray]')")
     if model_dir and (Path(model_dir) / "config.json").is_file():  # a missing one is the core's to report
         problems.extend(model_problems(model_dir))
     for mod, fix in (("torch", "pip install torch"), ("megatron.core", f"pip install 'megatron-core{SUPPORTED_MEGATRON_CORE}'")):

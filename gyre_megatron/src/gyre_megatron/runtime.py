@@ -597,12 +597,8 @@ def worker_main(
     serve_rank(rank, world, f"tcp://127.0.0.1:{port}", opts, queues, cmd_q, res_q)
 
 
-def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queues: Sequence[Any], cmd_q: Any,
-               res_q: Any) -> None:
-    """Init gloo, build the rank, serve commands from ``cmd_q`` until ``exit``.
-
-    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``: a local queue, or a rank's control
-    connection (:class:`gyre_megatron.control.ControlClient`), which sends them by value."""
+def start_rank(rank: int, world: int, init_method: str, opts: RankOptions, queues: Sequence[Any]) -> CellRank:
+    """Join the process group at ``init_method`` and build this rank (every launcher's first step)."""
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's "no TransformerEngine/Apex" notices, once per rank
@@ -610,27 +606,45 @@ def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queue
     device = rank_device(rank)
     if device.type == "cpu":
         torch.set_num_threads(1)
+    # with CUDA, tensors on the GPU go over NCCL (gradients, pipeline, tensor-parallel
+    # collectives) and CPU tensors over gloo (control messages, token counts) in every group
+    dist.init_process_group(data_backend(), init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=opts.store_timeout_s))
+    return CellRank(rank, world, opts, queues)
+
+
+def answer(cr: CellRank, message: tuple[Any, ...]) -> tuple[int, int, bool, Any]:
+    """Run one command ``(seq, method, args, kwargs)`` on ``cr``: ``(rank, seq, ok, payload)``,
+    the payload an error's text when it raised."""
+    seq, name, args, kwargs = message
     try:
-        # with CUDA, tensors on the GPU go over NCCL (gradients, pipeline, tensor-parallel
-        # collectives) and CPU tensors over gloo (control messages, token counts) in every group
-        dist.init_process_group(data_backend(), init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=opts.store_timeout_s))
-        cr = CellRank(rank, world, opts, queues)
+        return (cr.rank, seq, True, getattr(cr, name)(*args, **kwargs))
+    except BaseException as e:
+        return (cr.rank, seq, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def stop_rank() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queues: Sequence[Any], cmd_q: Any,
+               res_q: Any) -> None:
+    """Init the process group, build the rank, serve commands from ``cmd_q`` until ``exit``.
+
+    Answers go to ``res_q`` as ``(rank, seq, ok, payload)``: a local queue, or a rank's control
+    connection (:class:`gyre_megatron.control.ControlClient`), which sends them by value."""
+    try:
+        cr = start_rank(rank, world, init_method, opts, queues)
         res_q.put((rank, -1, True, cr.ping()))
     except BaseException:
         res_q.put((rank, -1, False, traceback.format_exc()))
         return
     while True:
         message = cmd_q.get()
-        seq, name, args, kwargs = message
-        if name == "exit":
+        if message[1] == "exit":
             break
-        try:
-            out = getattr(cr, name)(*args, **kwargs)
-            res_q.put((rank, seq, True, out))
-        except BaseException as e:
-            res_q.put((rank, seq, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+        res_q.put(answer(cr, message))
+    stop_rank()

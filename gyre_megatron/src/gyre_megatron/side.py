@@ -66,8 +66,16 @@ def _world_for(options: Mapping[str, Any]) -> Any:
                     int(options.get("control_port", 0)), str(options["key_file"]),
                     join_timeout_s=float(options.get("join_timeout_s", 600.0)),
                     announce=options.get("announce"))
+            elif launcher == "ray":
+                from gyre_megatron.ray_launch import RayWorld
+
+                _worlds[key] = RayWorld(
+                    opts, n_queues, str(options.get("ray_address") or ""),
+                    gpus_per_rank=float(options.get("ray_gpus_per_rank", 0.0)),
+                    resources_per_rank=dict(options.get("ray_resources_per_rank") or {}),
+                    start_timeout_s=float(options.get("join_timeout_s", 600.0)), announce=options.get("announce"))
             else:
-                raise ValueError(f"launcher {launcher!r}: expected 'local' or 'torchrun'")
+                raise ValueError(f"launcher {launcher!r}: expected 'local', 'torchrun' or 'ray'")
         return _worlds[key]
 
 

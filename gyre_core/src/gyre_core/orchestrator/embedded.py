@@ -245,7 +245,12 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     train_opts["mooncake"] = mooncake
     if cfg.model.dir:  # the user's checkpoint: the trainer reads every size from its config.json
         train_opts["init_from"] = str(Path(cfg.model.dir).resolve())
-    if cfg.cluster.launcher != "local":
+    if cfg.cluster.launcher == "ray":
+        train_opts.update({"launcher": "ray", "ray_address": cfg.cluster.ray_address,
+                           "ray_gpus_per_rank": cfg.cluster.ray_gpus_per_rank,
+                           "ray_resources_per_rank": dict(cfg.cluster.ray_resources_per_rank),
+                           "join_timeout_s": cfg.cluster.join_timeout_s, "announce": say})
+    elif cfg.cluster.launcher != "local":
         train_opts.update({"launcher": cfg.cluster.launcher, "control_host": cfg.cluster.control_host,
                            "control_port": cfg.cluster.control_port,
                            "key_file": cfg.cluster.key_file or str(out / "control.key"),

@@ -26,7 +26,7 @@ from gyre_core.config import ConfigError, SchedulerConfig
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
 HARNESSES = ("number-guess", "reply", "replay", "command", "claude-code")
-LAUNCHERS = ("local", "torchrun")
+LAUNCHERS = ("local", "torchrun", "ray")
 
 
 @dataclass
@@ -155,7 +155,9 @@ class ClusterSection:
     ``local``: this process spawns every rank and engine on this machine. ``torchrun``: the
     site's launcher starts the ranks on any number of nodes (``torchrun ... -m
     gyre_megatron.worker``, the command is printed at start); they reach this process's control
-    plane, and each cell's first rank starts the cell's SGLang server on its own node."""
+    plane, and each cell's first rank starts the cell's SGLang server on its own node. ``ray``:
+    this process connects to a Ray cluster (``ray_address``), reserves one placement group per
+    cell and starts its ranks and its SGLang server there as actors."""
 
     launcher: str = "local"
     control_host: str = "127.0.0.1"
@@ -168,6 +170,14 @@ class ClusterSection:
     """Address each cell's SGLang server binds on its node (``0.0.0.0`` across nodes)."""
     join_timeout_s: float = 600.0
     """How long to wait for every rank to join before giving up."""
+    ray_address: str = ""
+    """``ray`` launcher: the cluster to join (``ray://head:10001``, ``head:6379`` or ``auto``); empty:
+    a Ray of this machine's own, started for the run."""
+    ray_gpus_per_rank: float = 0.0
+    """``ray`` launcher: GPUs in each rank's bundle (1 on a GPU cluster)."""
+    ray_resources_per_rank: dict[str, float] = field(default_factory=dict)
+    """``ray`` launcher: custom Ray resources in each rank's bundle (e.g. to keep cells on
+    labelled nodes)."""
 
 
 @dataclass
@@ -314,6 +324,7 @@ class RunConfig:
         need(0 <= self.cluster.control_port < 65536, "cluster.control_port", "must be a TCP port (0: any free one)")
         need(bool(self.cluster.control_host), "cluster.control_host", "must not be empty")
         need(self.cluster.join_timeout_s > 0, "cluster.join_timeout_s", "must be > 0")
+        need(self.cluster.ray_gpus_per_rank >= 0, "cluster.ray_gpus_per_rank", "must be ≥ 0")
         need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
              f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
         need(self.publication.protocol in ("tcp", "rdma"), "publication.protocol",
@@ -361,6 +372,12 @@ def _coerce(where: str, default: Any, value: Any, annotation: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
+    if isinstance(default, dict):
+        if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                for k, v in value.items()):
+            raise ConfigError(f"{where}: expected a table of names to non-negative numbers, got {value!r}")
+        return {k: float(v) for k, v in value.items()}
     if isinstance(default, list):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
