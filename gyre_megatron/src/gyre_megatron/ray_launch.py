@@ -127,6 +127,7 @@ class RankActor:
         try:
             self.cr = start_rank(self.rank, world, init_method, opts, queues)
             info = self.cr.ping()
+            info["gpu_ids"] = [int(g) for g in _ray().get_gpu_ids()]  # physical ids on its node
             info["host"] = info["node"]
             info["node"] = _ray().get_runtime_context().get_node_id()  # the Ray node: what placement names
             return (self.rank, -1, True, info)
@@ -160,9 +161,6 @@ class EngineActor:
         if options.get("log_path"):
             os.makedirs(os.path.dirname(str(options["log_path"])) or ".", exist_ok=True)
         ray = _ray()
-        gpus = ray.get_gpu_ids()
-        if gpus:  # Ray sets this worker's CUDA_VISIBLE_DEVICES: the engine counts from its first
-            options["base_gpu_id"] = 0
         engine = plugin_manager().hook.gyre_start_engine(model_dir=model_dir, options=options)
         if engine is None:
             raise RuntimeError("no serving backend on this node: install gyre-sglang (and SGLang)")
@@ -340,8 +338,15 @@ class RayWorld(_Ranks):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cls = self.ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
+        # The engine holds no GPU of its own in Ray's books: it shares the cell's GPUs with the
+        # cell's ranks (they take turns). So Ray must not hide the node's GPUs from it, and it
+        # starts at the first GPU Ray gave the cell's ranks, spanning all of them.
+        gpus = sorted(g for r in self.ranks_of(cell) for g in self.info[r].get("gpu_ids", []))
+        if gpus:
+            options = {**options, "base_gpu_id": gpus[0], "tp_size": len(gpus)}
         actor = cls.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.groups[cell], placement_group_bundle_index=0)).remote()
+            self.groups[cell], placement_group_bundle_index=0),
+            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote()
         timeout = float(options.get("start_timeout_s", 300.0)) + 30.0
         url, node = self.ray.get(actor.start.remote(model_dir, options), timeout=timeout)
         self.engines[cell] = RayEngine(actor, url, node, 60.0)
