@@ -30,6 +30,10 @@ _STAND_IN = textwrap.dedent("""
     except OSError as e:
         print(f"ERROR:    [Errno {e.errno}] error while attempting to bind on address "
               f"('127.0.0.1', {port}): address already in use", flush=True)
+        if len(sys.argv) > 2:  # as SGLang was seen to do: stay alive after the failed bind
+            import time
+            print("INFO:     Waiting for application shutdown.", flush=True)
+            time.sleep(600)
         sys.exit(1)
     srv.serve_forever()
 """)
@@ -40,6 +44,14 @@ class _StandInServer(SGLangServer):
 
     def command(self) -> list[str]:
         return [sys.executable, "-c", _STAND_IN, str(self.port)]
+
+
+class _LingeringStandInServer(SGLangServer):
+    """Mock engine process that, like a real SGLang start once seen in CI, stays alive after its
+    bind failed instead of exiting."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", _STAND_IN, str(self.port), "linger"]
 
 
 @pytest.fixture
@@ -76,3 +88,20 @@ def test_attempts_are_bounded(tmp_path: Path, monkeypatch, occupied_port: int) -
     with pytest.raises(ServerStartError, match="address already in use"):
         server.start(timeout=30, port_attempts=3)
     assert (tmp_path / "engine.log").read_text().count("address already in use") == 3
+
+
+def test_a_start_that_lingers_after_a_failed_bind_is_retried_at_once(tmp_path: Path, monkeypatch,
+                                                                     occupied_port: int) -> None:
+    import time
+
+    real_free_port = server_module.free_port
+    picks = iter([occupied_port])
+    monkeypatch.setattr(server_module, "free_port", lambda: next(picks, None) or real_free_port())
+    server = _LingeringStandInServer(tmp_path, log_path=tmp_path / "engine.log")
+    t0 = time.monotonic()
+    server.start(timeout=60)
+    try:
+        assert server.port != occupied_port and server.healthy()
+        assert time.monotonic() - t0 < 30  # not the start timeout: the log said the port was taken
+    finally:
+        server.stop()

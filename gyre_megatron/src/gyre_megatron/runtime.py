@@ -165,7 +165,6 @@ class CellRank(RankChecks):
 
     def _load_hf(self, path: str) -> None:
         from gyre_megatron.hf_import import hf_to_megatron, load_hf_state
-
         from gyre_megatron.tp_layout import shard_tp
 
         per_stage = self.opts.spec.num_layers // self.opts.pp

@@ -196,6 +196,11 @@ class SGLangServer:
                 raise ServerStartError(f"SGLang server exited with code {code}; log: {self.log_path}")
             if self.healthy():
                 return self
+            if self._log_says_port_taken(log_start):
+                # uvicorn failed to bind but SGLang's process may linger (seen: "Waiting for
+                # application shutdown" for minutes): do not wait for it to exit
+                self.stop()
+                raise _PortTaken()
             time.sleep(1.0)
         self.stop()
         raise ServerStartError(f"SGLang server not healthy after {timeout:.0f} s; log: {self.log_path}")

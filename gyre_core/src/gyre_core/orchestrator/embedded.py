@@ -229,7 +229,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     if len(tokenizer) % cfg.training.tp:
         raise ConfigError(f"training.tp: the tokenizer has {len(tokenizer)} tokens, not a multiple of "
                           f"training.tp {cfg.training.tp} (Megatron splits the vocabulary evenly)")
-    train_opts = {"cells": k, "pp": cfg.training.pp, "tp": cfg.training.tp, "precision": cfg.training.precision, "model": spec, "lr": cfg.training.lr,
+    train_opts = {"cells": k, "pp": cfg.training.pp, "tp": cfg.training.tp, "precision": cfg.training.precision,
+                  "model": spec, "lr": cfg.training.lr,
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
                   # one micro-step queue per step, plus the re-streams of steps that lost a cell
                   "max_steps": cfg.run.steps + 8, "publish_dir": str(out / "weights"),
@@ -421,7 +422,8 @@ def placement_plan(training: Sequence[Any], engines: Sequence[Any], standalone: 
             f"cell {side.cell} ({role}): node {','.join(where.get('nodes', ['?']))} · "
             f"devices {','.join(where.get('devices', ['?']))} · ranks {list(where.get('ranks', []))} "
             f"(tp {where.get('tp', 1)} × pp {where.get('pp', 1)}) · engine {getattr(engine, 'url', '?')}"
-            + (f" {' '.join(gpus)}" if gpus else ""))
+            + (f" {' '.join(gpus)}" if gpus else "")
+            + (f" on node {engine.node}" if getattr(engine, "node", None) else ""))  # Ray: the engine actor's node
     if standalone is not None:
         lines.append(f"standalone pool: engine {getattr(standalone, 'url', '?')} (never trains)")
     return lines
