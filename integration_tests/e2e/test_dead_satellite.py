@@ -9,10 +9,8 @@ pulling the core's weights. Every finished execution is accounted for and each s
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ N, B, STEPS, KILL_AT = 4, 2, 3, 1
 def test_a_satellite_killed_mid_step_leaves_the_run_going(tmp_path: Path) -> None:
     from gyre_core.orchestrator.embedded import run_live
     from gyre_core.orchestrator.run_config import load_run_config
-    from gyre_megatron.testing import rank_store
+    from gyre_megatron.testing import rank_store, strike_once_joined
 
     cfg = load_run_config(None, {
         "run.out_dir": str(tmp_path / "run"), "run.steps": STEPS, "run.max_wall_s": 720.0,
@@ -41,19 +39,9 @@ def test_a_satellite_killed_mid_step_leaves_the_run_going(tmp_path: Path) -> Non
     async def kill_satellite_once_joined() -> None:
         orch = parts["orchestrator"]
         world = orch.cells[1].training.world
-        store = rank_store(world.port)
-        joined, claimed = f"gyre/step{KILL_AT}/join1", f"gyre/step{KILL_AT}/claimed1"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            if store.check([joined]) and store.get(joined) == b"joined":
-                t = time.monotonic()  # give it a moment to claim, if the core leaves it any
-                while time.monotonic() - t < 1.0 and not (store.check([claimed]) and store.get(claimed)):
-                    await asyncio.sleep(0.01)
-                pid = world.procs[1].pid
-                os.kill(pid, signal.SIGKILL)
-                killed.update(pid=pid, at=orch.now(), claimed=store.get(claimed).decode() if store.check([claimed]) else "")
-                return
+        pid = world.procs[1].pid
+        claimed = await strike_once_joined(rank_store(world.port), KILL_AT, 1, lambda: os.kill(pid, signal.SIGKILL))
+        killed.update(pid=pid, at=orch.now(), claimed=claimed)
 
     async def killer() -> None:
         try:

@@ -16,7 +16,6 @@ run and the cluster's shutdown no Ray or SGLang process of the test is left.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
@@ -67,7 +66,7 @@ def two_nodes():
 def test_ray_placed_cells_run_the_job_and_survive_a_killed_rank(tmp_path: Path, two_nodes) -> None:
     from gyre_core.orchestrator.embedded import run_live
     from gyre_core.orchestrator.run_config import load_run_config
-    from gyre_megatron.testing import rank_store
+    from gyre_megatron.testing import rank_store, strike_once_joined
 
     out = tmp_path / "run"
     cfg = load_run_config(None, {
@@ -85,19 +84,8 @@ def test_ray_placed_cells_run_the_job_and_survive_a_killed_rank(tmp_path: Path, 
         world = parts["orchestrator"].cells[1].training.world
         placed.update(info=list(world.info), bundles=[world.bundle_nodes(c) for c in range(2)],
                       engines={c: e.node for c, e in world.engines.items()})
-        store = rank_store(world.port)
-        joined, claimed = f"gyre/step{KILL_AT}/join1", f"gyre/step{KILL_AT}/claimed1"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            if store.check([joined]) and store.get(joined) == b"joined":
-                t = time.monotonic()
-                while time.monotonic() - t < 1.0 and not (store.check([claimed]) and store.get(claimed)):
-                    await asyncio.sleep(0.01)
-                world.kill_rank(1)
-                killed.update(at=parts["orchestrator"].now(),
-                              claimed=store.get(claimed).decode() if store.check([claimed]) else "")
-                return
+        claimed = await strike_once_joined(rank_store(world.port), KILL_AT, 1, lambda: world.kill_rank(1))
+        killed.update(at=parts["orchestrator"].now(), claimed=claimed)
 
     async def killer() -> None:
         try:

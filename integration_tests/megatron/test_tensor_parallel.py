@@ -30,18 +30,9 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (tp, pp); the first is the reference
 
 
 def build_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    torch.manual_seed(21)
-    cfg = transformers.Qwen2Config(
-        vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=128, rope_theta=50000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, torch_dtype="float32")
-    model = transformers.Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(str(path), safe_serialization=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    from gyre_megatron.testing import build_qwen2_checkpoint
+
+    return build_qwen2_checkpoint(path, tied=False, seed=21)
 
 
 def _microsteps() -> list:

@@ -19,8 +19,28 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
-           "stop_nodes", "wait_claimed"]
+__all__ = ["build_qwen2_checkpoint", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
+           "stop_nodes", "strike_once_joined", "wait_claimed"]
+
+
+def build_qwen2_checkpoint(path: Path, tied: bool = False, seed: int = 11) -> dict[str, torch.Tensor]:
+    """A small HF Qwen2 checkpoint written to ``path`` (GQA: 6 heads over 2 KV groups, hidden 48,
+    FFN 80, 4 layers, vocabulary 160), with random biases and norm scales so their layouts are
+    exercised; returns its tensors. Built locally: nothing is downloaded."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(
+        vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=128, rope_theta=50000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, torch_dtype="float32")
+    model = transformers.Qwen2ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:  # non-trivial biases and norm scales
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -97,6 +117,25 @@ def rank_store(port: int, timeout_s: float = 10.0) -> Any:
 
     tcp = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
     return dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
+
+
+async def strike_once_joined(store: Any, step: int, cell: int, strike: Any, timeout_s: float = 600.0) -> str:
+    """Wait until cell ``cell`` has joined step ``step`` (its key in the ranks' store), give it a
+    moment to claim micro-steps, then call ``strike()`` (kill it). Returns what the cell had
+    claimed (``"1,4,"``: the micro-step indices a finished step must stream again)."""
+    import asyncio
+
+    joined, claimed = f"gyre/step{step}/join{cell}", f"gyre/step{step}/claimed{cell}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+        if store.check([joined]) and store.get(joined) == b"joined":
+            t = time.monotonic()  # a moment to claim, if the core leaves it any
+            while time.monotonic() - t < 1.0 and not (store.check([claimed]) and store.get(claimed)):
+                await asyncio.sleep(0.01)
+            strike()
+            return store.get(claimed).decode() if store.check([claimed]) else ""
+    raise TimeoutError(f"cell {cell} did not join step {step} within {timeout_s:.0f} s")
 
 
 def free_port() -> int:
