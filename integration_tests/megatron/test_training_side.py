@@ -20,7 +20,18 @@ pytestmark = [pytest.mark.megatron, pytest.mark.mooncake, pytest.mark.timeout(30
 pytest.importorskip("megatron.core")
 pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda + libibverbs1)")
 
-from gyre_megatron.testing import feed_in_bursts, make_items, wait_claimed  # noqa: E402
+from gyre_megatron.testing import feed_in_bursts, make_items, rank_store, wait_claimed  # noqa: E402
+
+
+def _wait_joined(world, step: int, cell: int, timeout_s: float = 60.0) -> None:
+    """Until cell ``cell`` has registered in step ``step`` (a loaded machine, e.g. a CI matrix run,
+    can otherwise let the core drain the queue before the satellite's rank gets to it)."""
+    store = rank_store(world.port)
+    key = f"gyre/step{step}/join{cell}"
+    deadline = time.monotonic() + timeout_s
+    while not (store.check([key]) and store.get(key) == b"joined"):
+        assert time.monotonic() < deadline, f"cell {cell} did not join step {step}"
+        time.sleep(0.02)
 
 DATA_TIMEOUT_S = 5.0
 
@@ -61,7 +72,7 @@ def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
         q.put(it)
     wait_claimed(q)
     s1.join_step(0)
-    time.sleep(0.5)
+    _wait_joined(s0.world, 0, 1)
     feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
     s0.close_stream(0)
     s1.close_stream(0)
@@ -79,7 +90,8 @@ def test_hook_gives_training_sides_that_run_a_joined_step(sides) -> None:
         q.put(it)
     wait_claimed(q)
     s2.join_step(1)
-    time.sleep(0.5)
+    _wait_joined(s0.world, 1, 1)
+    _wait_joined(s0.world, 1, 2)
     feed_in_bursts(q, items[3:], burst=1, gap_s=0.2).join()
     for s in sides:
         s.close_stream(1)
