@@ -108,6 +108,7 @@ def run_mode(label: str, config: Path, sets: dict[str, Any], out: Path, timeout:
             "process_s": round(time.monotonic() - t0, 1), "steps": s["steps"],
             "mean_staleness": s["mean_staleness"], "role_switches": len(s.get("role_switches", [])),
             "satellite_joins": len(joins), "steps_with_joins": sum(1 for r in recs if r.get("joins")),
+            "running_step_joins": len(s.get("running_step_joins", [])),
             "cells_per_step": [r.get("cells") for r in recs], "step_s": [r.get("duration_s") for r in recs],
             "rewards": s["rewards"], "executions": s["executions"], "out": str(out)}
 

@@ -121,3 +121,22 @@ def test_steps_and_publications_are_drawn_where_they_happened(tmp_path) -> None:
     assert "steps" in texts and "v1" in texts and "v2" in texts
     with pytest.raises(ValueError, match="steps"):
         write_role_timeline_svg(path, [], n_cells=1, end_s=1.0, title="t", steps=[(0, 2.0, 1.0)])
+
+
+def test_a_satellite_joining_a_running_step_is_marked_on_its_row_at_the_join_time(tmp_path) -> None:
+    path = tmp_path / "t.svg"
+    intervals = [(0, "training", 10.0, 40.0), (1, "rollout", 0.0, 20.0), (1, "to_training", 20.0, 21.0),
+                 (1, "training", 21.0, 40.0)]
+    write_role_timeline_svg(path, intervals, n_cells=2, end_s=60.0, title="t", steps=[(0, 10.0, 40.0)],
+                            joins=[(0, 1, 21.0)])
+    root = ET.parse(path).getroot()
+    marks = [p for p in root.iter(f"{SVG}path") if p.get("data-join-step")]
+    assert len(marks) == 1 and marks[0].get("data-cell") == "1" and marks[0].get("data-join-step") == "0"
+    tip = marks[0].find(f"{SVG}title").text
+    assert tip == "sat 1 joined running step 0 at 21 s"
+    sat_training = next(r for r in root.iter(f"{SVG}rect")
+                        if r.get("fill") == ROLE_COLOURS["training"] and "sat 1" in r.find(f"{SVG}title").text)
+    apex_x = float(marks[0].get("d").split(" L ")[2].split()[0])  # the marker points at the join time
+    assert apex_x == pytest.approx(float(sat_training.get("x")), abs=0.01)
+    with pytest.raises(ValueError, match="joins"):
+        write_role_timeline_svg(path, intervals, n_cells=2, end_s=60.0, title="t", joins=[(0, 2, 21.0)])

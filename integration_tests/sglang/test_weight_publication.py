@@ -165,6 +165,34 @@ def test_a_published_policy_changes_what_the_engine_samples(server: Any, base_we
     publisher.release_older_than(8)
 
 
+def test_a_publication_while_requests_run_loads_and_the_requests_finish(server: Any, base_weights: dict,
+                                                                        publisher: Any) -> None:
+    """An engine in rollout keeps generating while a version is published. SGLang then loads the
+    weights but refuses to flush its cache and answers with an error; the load counts (the
+    engine reports the new version), the running request finishes, and later requests are served
+    by the new version. Seen live: a run failed at its third publication without this."""
+    assert load(server, publisher.publish(9, base_weights)) == "9"
+
+    async def scenario() -> tuple[str, Any, str]:
+        async with server.client() as c:
+            long = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 1500, "temperature": 1.0,
+                                                           "ignore_eos": True}))
+            await asyncio.sleep(0.5)  # queued or decoding: either way SGLang refuses to flush
+            assert not long.done(), "the long request ended before the publication; make it longer"
+            from gyre_sglang.weight_publication import load_published
+
+            version = await load_published(c, publisher.publish(10, perturbed(base_weights, seed=3)))
+            first = await long
+            after = await c.generate(PROMPT, {"max_new_tokens": 2, "temperature": 0.0})
+            return version, first, after.weight_version
+
+    version, first, later = run(scenario())
+    assert version == "10" and later == "10"
+    assert len(first.output_ids) == 1500 and first.finish_reason != "abort"
+    assert load(server, publisher.publish(11, base_weights)) == "11"  # back to the base weights
+    publisher.release_older_than(11)
+
+
 def test_partial_publication_changes_only_its_tensors(server: Any, base_weights: dict, publisher: Any) -> None:
     before = run(_call(server, "checksums"))
     head = {"lm_head.weight": base_weights["lm_head.weight"] * 2}

@@ -38,9 +38,19 @@ WeightLoader = Callable[[SGLangClient, WeightsRef], Awaitable[str]]
 
 
 async def load_from_disk(client: SGLangClient, weights: WeightsRef) -> str:
-    """``location`` is a model directory in the serving layout (safetensors)."""
-    await client.update_weights_from_disk(weights.location, weight_version=str(weights.version))
-    return await client.weight_version()
+    """``location`` is a model directory in the serving layout (safetensors). A refused cache
+    flush after the load (requests running) is a load, as for a Mooncake publication."""
+    from gyre_sglang.weight_publication import FLUSH_REFUSED
+
+    try:
+        await client.update_weights_from_disk(weights.location, weight_version=str(weights.version))
+    except EngineError as e:
+        if FLUSH_REFUSED not in str(e):
+            raise
+    version = await client.weight_version()
+    if version != str(weights.version):
+        raise EngineError("/model_info", 200, f"engine reports weight_version {version!r} after loading {weights.version}")
+    return version
 
 
 async def load_any(client: SGLangClient, weights: WeightsRef) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import pickle
 import threading
@@ -44,6 +45,8 @@ from gyre_core.transfer_endpoint import HOST_ENV, MooncakeEndpoint, start_transf
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyre_sglang.client import SGLangClient
+
+log = logging.getLogger("gyre.sglang")
 
 __all__ = [
     "FORMAT",
@@ -386,14 +389,24 @@ def ref_payload(ref: WeightsRef) -> str:
     return base64.b64encode(pickle.dumps([(REF_TENSOR_NAME, t)])).decode()
 
 
+FLUSH_REFUSED = "cache was not flushed because requests are still running"
+"""SGLang's answer when the new weights are in but the prefix cache could not be flushed."""
+
+
 async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache: bool = True,
                          timeout: float | None = None) -> str:
     """Make the engine behind ``client`` pull and load ``ref``; return its new ``weight_version``.
 
     Runs inside SGLang's begin/end weight-update session (0.5.23 requires it for tensor updates)
     and always closes the session. On failure raises :class:`~gyre_core.interfaces.EngineError`
-    with the engine's message; the engine keeps its previous weights and version. Pause or drain
-    generation first when ``flush_cache`` is set: SGLang refuses to flush with requests running.
+    with the engine's message; the engine keeps its previous weights and version.
+
+    An engine in rollout keeps generating while a version is published (that is the point of
+    bounded staleness), and SGLang refuses to flush its prefix cache with requests running: it
+    loads the weights, records the version, then answers with an error. That answer is a
+    successful load here (the version check below proves it); the flush is tried once more and
+    otherwise skipped, so cached prefixes computed by the previous version may be reused until
+    evicted. Token records stay exact either way: the log-probs are those the engine sampled with.
     """
     info = await client.server_info()
     tp = int(info.get("tp_size", 1) or 1)
@@ -403,11 +416,20 @@ async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache
         "flush_cache": flush_cache,
         "weight_version": str(ref.version),
     }
+    flush_refused = False
     await client.begin_weight_update()
     try:
-        ans = await client.post("/update_weights_from_tensor", body, timeout=timeout)
-        if not isinstance(ans, Mapping) or not ans.get("success", False):
-            raise EngineError("/update_weights_from_tensor", 200, str(ans))
+        try:
+            ans = await client.post("/update_weights_from_tensor", body, timeout=timeout)
+        except EngineError as e:
+            if not (flush_cache and FLUSH_REFUSED in str(e)):
+                raise
+            flush_refused = True
+        else:
+            if not isinstance(ans, Mapping) or not ans.get("success", False):
+                if not (flush_cache and FLUSH_REFUSED in str(ans)):
+                    raise EngineError("/update_weights_from_tensor", 200, str(ans))
+                flush_refused = True
     except BaseException:
         try:  # close the session, but report the update's own failure, not this one's
             await client.end_weight_update()
@@ -418,4 +440,10 @@ async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache
     version = await client.weight_version()
     if version != str(ref.version):
         raise EngineError("/model_info", 200, f"engine reports weight_version {version!r} after loading {ref.version}")
+    if flush_refused:
+        try:
+            await client.flush_cache()
+        except EngineError:
+            log.info("engine %s loaded version %s with requests running; its prefix cache was not flushed",
+                     getattr(client, "url", "?"), ref.version)
     return version

@@ -283,7 +283,10 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self._start_step(cmd)
 
     def on_join_step(self, cmd: ev.JoinStep) -> None:
-        self._steps[cmd.step].cells.append(cmd.cell)
+        st = self._steps[cmd.step]
+        st.cells.append(cmd.cell)
+        st.joined_running[cmd.cell] = self.now()
+        self.progress(f"cell {cmd.cell} joins running step {cmd.step} ({self.now() - st.started:.1f} s in)")
         self._spawn(self._cell_call(cmd.cell, self.cells[cmd.cell].training.join_step, cmd.step),
                     f"cell {cmd.cell} joining step {cmd.step}")
 
@@ -389,6 +392,9 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             "executions": self.executions_summary(),
             "interrupted_calls": self._interrupted_calls(),
             "satellite_failures": self.satellite_failures,
+            # the elastic mechanism at work: a satellite sent into a step that was already training
+            "running_step_joins": [{"step": r["step"], **j} for r in self.step_records
+                                   for j in r.get("joined_running", [])],
         }
 
     def _interrupted_calls(self) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ class _Step:
     staleness: list[int] = field(default_factory=list)
     started: float = 0.0
     closing: bool = False
+    joined_running: dict[int, float] = field(default_factory=dict)  # cell -> run time it joined mid-step
 
 
 class LostTraining:
@@ -179,6 +180,10 @@ class StepsMixin:
                "ended_s": round(self.now(), 3), "micro_steps": st.packing.micro_steps,
                "split_executions": st.packing.split_executions,
                "joins": _joins([(c, infos[c]) for c in sorted(infos) if c]),
+               # satellites the scheduler sent into the step while it was already training
+               "joined_running": [{"cell": c, "at_s": round(t, 3), "after_s": round(t - st.started, 3),
+                                   "trained": c in infos and any(i.get("joined") for i in infos[c])}
+                                  for c, t in sorted(st.joined_running.items())],
                **training_figures([infos[c] for c in sorted(infos)])}
         self.step_records.append(rec)
         self._report_metrics(rec)

@@ -102,13 +102,16 @@ def write_role_timeline_svg(
     *,
     steps: Sequence[tuple[int, float, float]] = (),
     publications: Sequence[tuple[int, float]] = (),
+    joins: Sequence[tuple[int, int, float]] = (),
 ) -> None:
     """Write a Gantt-style picture: one row per cell, a time axis with ticks, a legend.
 
     Switching phases last seconds against hours of rollout and training, so they are drawn on top
     and at least one pixel wide: every switch stays visible as a thin mark. ``steps`` are
     ``(step, start_s, end_s)`` of each training step, drawn as a band above the cells;
-    ``publications`` are ``(version, at_s)``, drawn as a dashed line through the rows.
+    ``publications`` are ``(version, at_s)``, drawn as a dashed line through the rows; ``joins``
+    are ``(step, cell, at_s)``, a satellite sent into a step already training, drawn as a marker
+    on the cell's row.
     """
     _check(intervals, n_cells, end_s)
     for i, (_, a, b) in enumerate(steps):
@@ -117,6 +120,9 @@ def write_role_timeline_svg(
     for i, (_, at) in enumerate(publications):
         if not math.isfinite(at):
             raise ValueError(f"publications[{i}]: need a finite time, got {at!r}")
+    for i, (_, cell, at) in enumerate(joins):
+        if not (0 <= cell < n_cells and math.isfinite(at)):
+            raise ValueError(f"joins[{i}]: need a cell in 0..{n_cells - 1} and a finite time, got {cell!r}, {at!r}")
     band = bool(steps)
     left, right, row_h, gap = 72, 24, 20, 4
     top = 44 + (row_h + gap if band else 0) + (14 if publications else 0)
@@ -193,6 +199,13 @@ def write_role_timeline_svg(
                    f'<title>{escape(f"published v{version} at {at / per:.3g} {unit}")}</title></line>')
         out.append(f'<text x="{px:.2f}" y="{top - (row_h + gap if band else 0) - 6}" text-anchor="middle" '
                    f'font-size="9" fill="#b07aa1">v{version}</text>')
+
+    for step, cell, at in joins:  # a satellite joining a running step: a marker at its row's top
+        jx, jy = x(at), row_y(cell)
+        out.append(f'<path d="M {jx - 5:.2f} {jy - 7} L {jx + 5:.2f} {jy - 7} L {jx:.2f} {jy + 2} Z" '
+                   f'fill="#e15759" stroke="#333333" stroke-width="0.5" data-join-step="{step}" data-cell="{cell}">'
+                   f'<title>{escape(f"{cell_label(cell)} joined running step {step} at {at / per:.3g} {unit}")}'
+                   f'</title></path>')
 
     lx = left
     for role, colour in ROLE_COLOURS.items():
