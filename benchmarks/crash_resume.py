@@ -96,9 +96,12 @@ def _said(log: Path, out: Path) -> str:
     return "\n".join(parts)
 
 
-def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float = 900.0) -> dict[str, Any]:
+def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float = 900.0,
+                config: Path | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     cmd = [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--steps", str(steps)]
+    if config is not None:  # a job other than the embedded default (the same file at every resume)
+        cmd += ["--config", str(config)]
     points: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -14,8 +14,25 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
 def test_defaults_are_the_embedded_job() -> None:
     cfg = load_run_config()
-    assert (cfg.scheduler.cells, cfg.scheduler.group_size, cfg.scheduler.groups_per_step) == (2, 4, 2)
+    assert (cfg.scheduler.cells, cfg.scheduler.group_size, cfg.scheduler.groups_per_step) == (2, 4, 4)
     assert cfg.run.steps == 3 and cfg.harness.kind == "number-guess" and cfg.proxy.host == "127.0.0.1"
+
+
+def test_the_embedded_preset_is_the_default_written_out() -> None:
+    import dataclasses
+
+    assert dataclasses.asdict(load_run_config(EXAMPLES / "embedded-cpu.toml")) == dataclasses.asdict(load_run_config())
+
+
+def test_the_tests_small_job_differs_from_the_default_only_in_its_sizes() -> None:
+    import dataclasses
+
+    small = load_run_config(Path(__file__).resolve().parents[1] / "integration_tests" / "e2e" / "small-job.toml")
+    assert small.harness.kind == "number-guess" and small.scheduler.mode.value == "gyre"
+    assert (small.model.hidden_size, small.scheduler.groups_per_step, small.scheduler.cell_capacity) == (64, 2, 4)
+    default = dataclasses.asdict(load_run_config())
+    changed = {k for k, v in dataclasses.asdict(small).items() if v != default[k]}
+    assert changed == {"scheduler", "model"}, changed
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)

@@ -42,6 +42,9 @@ cells = 2
 cell_capacity = 2
 group_size = 2
 groups_per_step = 1
+extra_dispatch = 1.0
+rho_min = 0.5
+supply_window_s = 2.0
 [run]
 steps = 1
 [task]
@@ -53,6 +56,8 @@ args = ["--tools", "Write,Bash", "--system-prompt", "You are a coding agent. Use
 timeout_s = 180
 overall_budget_s = 400
 [model]
+hidden_size = 64
+num_layers = 2
 max_seq_len = 8192
 [dataplane]
 token_budget = 8192

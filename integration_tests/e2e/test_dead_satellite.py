@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
@@ -28,7 +30,7 @@ def test_a_satellite_killed_mid_step_leaves_the_run_going(tmp_path: Path) -> Non
     from gyre_core.orchestrator.run_config import load_run_config
     from gyre_megatron.testing import rank_store, strike_once_joined
 
-    cfg = load_run_config(None, {
+    cfg = load_run_config(SMALL_JOB, {
         "run.out_dir": str(tmp_path / "run"), "run.steps": STEPS, "run.max_wall_s": 720.0,
         "scheduler.mode": "colocate", "scheduler.extra_dispatch": 0.0, "scheduler.steps_per_burst": 1,
         "scheduler.group_size": N, "scheduler.groups_per_step": B,

@@ -48,7 +48,7 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     # every finished execution is accounted for; none is lost
     accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"]
-    assert ex["trained"] == 3 * 2 * 4  # 3 steps × B=2 groups × N=4
+    assert ex["trained"] == 3 * 4 * 4  # 3 steps × B=4 groups × N=4
     assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"]
 
     switches = summary["role_switches"]
@@ -72,7 +72,7 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     assert sum(ic["reasons"].values()) == ic["reprefilled"]
     assert not [r for r in ic["reasons"] if "import on the destination failed" in r], ic["reasons"]
     _assert_tensorboard_holds_every_step(out / "metrics" / "tensorboard", summary)
-    assert "<svg" in (out / "role_timeline.svg").read_text()
+    _assert_a_satellite_joined_a_running_step(summary, proc.stderr, out / "role_timeline.svg")
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert sum(1 for e in events if e.get("event") == "MicroStepsDone") == 3
     assert summary["policy_version"] == 3
@@ -87,6 +87,26 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
         assert rec["split_executions"] == 0  # every execution's rows fit one pack: exact ratios
     assert summary["grad_norms"] == [r["grad_norm"] for r in summary["step_records"]]
     assert [e["step_done"] for e in events if "step_done" in e] == [0, 1, 2]
+
+
+def _assert_a_satellite_joined_a_running_step(summary: dict, console: str, timeline: Path) -> None:
+    """The mechanism the default is sized to show: the core trains on the first finished groups
+    while the satellite serves the rest; once nothing is left to serve, the satellite is sent into
+    the step the core is running and trains part of it (measured: in 2 or 3 of the 3 steps)."""
+    import xml.etree.ElementTree as ET
+
+    joins = summary["running_step_joins"]
+    assert joins, f"no satellite joined a running step; steps {[(r['step'], r['cells']) for r in summary['step_records']]}"
+    for j in joins:
+        rec = next(r for r in summary["step_records"] if r["step"] == j["step"])
+        assert j["cell"] == 1 and j["after_s"] > 0 and rec["started_s"] < j["at_s"] < rec["ended_s"]
+        assert j["trained"] and 1 in rec["cells"]  # it took micro-steps of that step, not only a switch
+        assert any(k["cell"] == 1 for k in rec["joins"])  # and it pulled the core's weights first
+        assert f"cell 1 joins running step {j['step']} (" in console
+    svg = ET.parse(timeline).getroot()
+    marks = [e for e in svg.iter("{http://www.w3.org/2000/svg}path") if e.get("data-join-step")]
+    assert sorted(int(m.get("data-join-step")) for m in marks) == sorted(j["step"] for j in joins)
+    assert "time (s)" in [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]  # a short run: seconds
 
 
 def _assert_tensorboard_holds_every_step(tb_dir: Path, summary: dict) -> None:

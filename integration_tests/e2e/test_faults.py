@@ -36,6 +36,8 @@ from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, Validity
 from gyre_core.scheduler.events import Outcome
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
@@ -121,7 +123,7 @@ def _config(out: Path, script: Path, behaviours: dict[int, str], turns: int, **o
 
     bfile = out.parent / f"{out.name}-behaviours.json"
     bfile.write_text(json.dumps({str(k): v for k, v in behaviours.items()}))
-    return load_run_config(None, {
+    return load_run_config(SMALL_JOB, {
         "run.out_dir": str(out), "harness.kind": "command",
         "harness.command": [sys.executable, str(script), str(bfile), str(turns)], **overrides})
 

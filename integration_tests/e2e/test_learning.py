@@ -20,6 +20,8 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
@@ -56,7 +58,7 @@ def test_a_run_learns_the_digits_task_and_a_later_run_starts_from_its_checkpoint
 
     common = {"task.name": '"digits"', "harness.kind": '"reply"', "training.lr": 1e-2}
     out1 = tmp_path / "run1"
-    s1 = run_live(load_run_config(None, {**common, "run.out_dir": str(out1), "run.steps": 16}), lambda m: None)
+    s1 = run_live(load_run_config(SMALL_JOB, {**common, "run.out_dir": str(out1), "run.steps": 16}), lambda m: None)
     assert s1["status"] == "ok" and s1["steps"] == 16
     assert all(r["tokens"] > 0 and r["grad_norm"] > 0 for r in s1["step_records"])
 
@@ -69,7 +71,7 @@ def test_a_run_learns_the_digits_task_and_a_later_run_starts_from_its_checkpoint
     assert after - before > max(0.03, 6 * se), (before, after, se)
 
     out2 = tmp_path / "run2"
-    s2 = run_live(load_run_config(None, {**common, "run.out_dir": str(out2), "run.steps": 1,
+    s2 = run_live(load_run_config(SMALL_JOB, {**common, "run.out_dir": str(out2), "run.steps": 1,
                                          "model.dir": str(out1 / "checkpoint")}), lambda m: None)
     assert s2["status"] == "ok" and s2["steps"] == 1
     served = load_file(str(out2 / "weights" / "v0" / "model.safetensors"))

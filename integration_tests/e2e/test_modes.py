@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(600)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
@@ -38,7 +40,7 @@ def _run(out: Path, mode: str, phi: float, mu: int) -> tuple[dict[str, Any], lis
             "--set", f"scheduler.steps_per_burst={mu}", "--set", f"scheduler.group_size={N}",
             "--set", f"scheduler.groups_per_step={B}", "--set", "run.max_wall_s=420.0"]
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--steps", str(STEPS), "--json-summary", *args],
+        [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(SMALL_JOB), "--out", str(out), "--steps", str(STEPS), "--json-summary", *args],
         capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

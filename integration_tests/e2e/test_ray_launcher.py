@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
@@ -69,7 +71,7 @@ def test_ray_placed_cells_run_the_job_and_survive_a_killed_rank(tmp_path: Path, 
     from gyre_megatron.testing import rank_store, strike_once_joined
 
     out = tmp_path / "run"
-    cfg = load_run_config(None, {
+    cfg = load_run_config(SMALL_JOB, {
         "run.out_dir": str(out), "run.steps": STEPS, "run.max_wall_s": 720.0,
         "scheduler.mode": "colocate", "scheduler.extra_dispatch": 0.0, "scheduler.steps_per_burst": 1,
         "scheduler.group_size": N, "scheduler.groups_per_step": B,

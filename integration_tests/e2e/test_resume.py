@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(1200)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("psutil")  # the chain counts what outlives each kill
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
@@ -32,7 +34,7 @@ def test_a_run_killed_again_and_again_resumes_to_its_end(tmp_path: Path) -> None
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.crash_chain(tmp_path / "run", kills=3, steps=4, seed=1)
+    res = mod.crash_chain(tmp_path / "run", kills=3, steps=4, seed=1, config=SMALL_JOB)
     print(f"\ncrash chain: {json.dumps(res['points'])}; executions {res['executions']}; {res['wall_s']} s")
     assert res["kills"] >= 2 and any(p["torn_tail"] for p in res["points"])
     assert res["steps"] == 4 and res["groups_trained"] == 4 * 2 and res["groups_trained_twice"] == 0

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(600)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
@@ -77,7 +79,7 @@ def test_a_harness_sees_nothing_of_other_executions_the_records_or_the_engines(t
     script.write_text(PROBE)
     engines_file = tmp_path / "engines.json"
     out = tmp_path / "run"
-    cfg = load_run_config(None, {"run.out_dir": str(out), "run.steps": 1, "harness.kind": '"command"',
+    cfg = load_run_config(SMALL_JOB, {"run.out_dir": str(out), "run.steps": 1, "harness.kind": '"command"',
                                  "harness.command": [sys.executable, str(script), str(engines_file), str(out.resolve())],
                                  "harness.sandbox": '"bwrap"'})
 

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
@@ -29,7 +31,7 @@ def test_a_standalone_pool_serves_rollouts_never_switches_and_comes_back_when_ki
     from gyre_core.orchestrator.run_config import load_run_config
 
     out = tmp_path / "run"
-    cfg = load_run_config(None, {"run.out_dir": str(out), "run.steps": STEPS, "scheduler.standalone_capacity": 2})
+    cfg = load_run_config(SMALL_JOB, {"run.out_dir": str(out), "run.steps": STEPS, "scheduler.standalone_capacity": 2})
     parts: dict[str, Any] = {}
     killed: dict[str, Any] = {}
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+
+SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
@@ -49,7 +51,7 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     write_key(key)
     port = free_port()
     orch = subprocess.Popen(
-        [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--json-summary", "--steps", "2",
+        [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(SMALL_JOB), "--out", str(out), "--json-summary", "--steps", "2",
          "--set", 'cluster.launcher="torchrun"', "--set", f"cluster.control_port={port}",
          "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240",
          # three "hosts" on loopback: the orchestrator's publication, node 0, node 1 -- each

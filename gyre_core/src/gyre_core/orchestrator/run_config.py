@@ -50,8 +50,9 @@ class ModelSection:
     unused); a run's ``checkpoint/`` folder is one. Empty: build the tiny model from the sizes below."""
     name: str = "gyre-policy"
     """The model name harnesses send; any other name is refused by the proxy."""
-    hidden_size: int = 64
-    num_layers: int = 2
+    hidden_size: int = 256
+    """Large enough that a training step costs seconds, so a satellite can join it mid-way."""
+    num_layers: int = 4
     vocab_size: int = 1024
     max_seq_len: int = 2048
 
@@ -225,8 +226,11 @@ class SamplingSection:
 
 
 def _embedded_scheduler() -> dict[str, Any]:
-    return {"mode": "gyre", "cells": 2, "cell_capacity": 4, "group_size": 4, "groups_per_step": 2,
-            "steps_per_burst": 1, "extra_dispatch": 1.0, "rho_min": 0.5, "supply_window_s": 2.0}
+    # Sized so that the embedded job shows the mechanism: 16 executions at once end in a cluster,
+    # the core starts training on the first finished groups while the satellite serves the rest,
+    # then the satellite joins the running step once nothing is left to serve (φ = 0: on-policy).
+    return {"mode": "gyre", "cells": 2, "cell_capacity": 8, "group_size": 4, "groups_per_step": 4,
+            "steps_per_burst": 1, "extra_dispatch": 0.0, "rho_min": 0.25, "supply_window_s": 0.0}
 
 
 @dataclass
