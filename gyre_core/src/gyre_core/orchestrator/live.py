@@ -187,7 +187,9 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         poller = asyncio.ensure_future(self._poll_buffers())
         ticker = asyncio.ensure_future(self._show_status()) if self.status is not None else None
         try:
-            while self.sched.steps_done < steps or self._publishing is not None:  # end on a published policy
+            # end on a published policy: after the last step's burst, wait for satellites to return
+            # and for the core's publication (a run whose last step a satellite joined ended unpublished)
+            while self.sched.steps_done < steps or self._publishing is not None or self.sched.publication_pending():
                 if self._failure is not None:
                     raise self._failure
                 if self.now() > deadline:

@@ -216,6 +216,11 @@ class Scheduler:
             steps_done=self.steps_done,
         )
 
+    def publication_pending(self) -> bool:
+        """The last burst is over but its policy is not published yet: satellites are still
+        returning (the core publishes after them, rule 6) or the publication is in flight."""
+        return self._phase in (_Phase.RETURNING, _Phase.PUBLISHING)
+
     def cells_in_training(self) -> int:
         """k(t): cells not serving rollouts (switching either way, or training)."""
         return sum(1 for s in self._cells if s is not CellState.ROLLOUT)
