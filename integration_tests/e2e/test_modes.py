@@ -110,10 +110,11 @@ def test_colocate_trains_the_whole_pool_in_bursts(tmp_path: Path) -> None:
             away.discard(e["cell"])
         elif e.get("command") == "Launch":
             assert not away, e
-    # the core published from its offloaded state after the pool left training
+    # the core published from its offloaded state after the pool left training, after every burst
+    # (the last one too: the run ends on the policy its last step trained)
     pubs = [e for e in events if e.get("event") == "PublicationDone"]
-    assert [e["version"] for e in pubs] == list(range(mu, STEPS, mu))
-    assert summary["policy_version"] == pubs[-1]["version"]
+    assert [e["version"] for e in pubs] == list(range(mu, STEPS + 1, mu))
+    assert summary["policy_version"] == pubs[-1]["version"] == STEPS
     for rec in summary["step_records"]:
         assert all(0 <= d <= mu - 1 for d in rec["staleness"]), rec
     assert summary["mean_staleness"] == 0.0
