@@ -167,10 +167,10 @@ def test_a_published_policy_changes_what_the_engine_samples(server: Any, base_we
 
 def test_a_publication_while_requests_run_loads_and_the_requests_finish(server: Any, base_weights: dict,
                                                                         publisher: Any) -> None:
-    """An engine in rollout keeps generating while a version is published. SGLang then loads the
-    weights but refuses to flush its cache and answers with an error; the load counts (the
-    engine reports the new version), the running request finishes, and later requests are served
-    by the new version. Seen live: a run failed at its third publication without this."""
+    """An engine in rollout keeps generating while a version is published: the load succeeds,
+    the running request finishes, and later requests are served by the new version. (SGLang
+    sometimes refuses the cache flush after such a load; that race is not forced here, it is
+    covered with a stand-in engine in ``tests/test_publication_flush_refused.py``.)"""
     assert load(server, publisher.publish(9, base_weights)) == "9"
 
     async def scenario() -> tuple[str, Any, str]:
