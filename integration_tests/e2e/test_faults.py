@@ -166,9 +166,11 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     from gyre_core.orchestrator.embedded import run_live
 
     # generous for a loaded CPU (a normal harness takes 7-10 s here, over 20 s under load), short
-    # enough that the budget of the first executions ends well before the run does (its steps
-    # come about 9 s apart once the engines sleep when idle, so the run is 6 steps long)
-    timeout_s, budget_s, steps = 25.0, 40.0, 6
+    # enough that the budget of the first executions ends well before the run does: its steps come
+    # 6-9 s apart, so 9 steps end 55-85 s after the first launch, 15-45 s past the budget's end
+    # (with 6 steps and a 40 s budget, a fast CI machine ended the run before the exclusions). The
+    # budget leaves the harness hung before answering (killed at 25 s) two assessments 5 s apart.
+    timeout_s, budget_s, steps = 25.0, 36.0, 9
     attempt_bound = max(1.0, min(60.0, budget_s / 4))  # what live.py allows one evaluator attempt
     # group 0 = executions 0-3 (faults that recover), group 1 = 4-7 (faults that exclude)
     evaluator = FaultyEvaluator({0: "raise_once", 1: "hang_once", 4: "raise_always", 5: "hang_always"},
