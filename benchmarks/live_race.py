@@ -54,6 +54,7 @@ name = "digits"
 kind = "replay"
 trace = "{trace}"
 time_scale = {scale}
+token_scale = {token_scale}
 timeout_s = {timeout}
 overall_budget_s = {budget}
 replay_calls = 2
@@ -117,6 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default="", help="JSON-lines trace (the simulator's format); default: paper preset")
     ap.add_argument("--time-scale", type=float, default=0.004, help="replay seconds per recorded second")
+    ap.add_argument("--token-scale", type=float, default=0.004,
+                    help="context tokens per recorded token (0.004: ~1.2 k for a 2 h execution); 0: one-line tool results")
     ap.add_argument("--harness-timeout-h", type=float, help="the recording's harness timeout (default 4 h, the preset's)")
     ap.add_argument("--staleness", type=float, default=1.0, help="the common target E[d]")
     ap.add_argument("--steps", type=int, default=6)
@@ -147,7 +150,7 @@ def main() -> int:
     config = root / "race.toml"
     config.write_text(CONFIG.format(hidden=a.hidden, layers=a.layers, cells=a.cells, capacity=a.capacity, n=a.n,
                                     b=a.b, steps=a.steps, seed=a.seed, max_wall=a.max_wall_s, trace=trace,
-                                    scale=a.time_scale, timeout=timeout, budget=round(timeout * 1.0625, 2)))
+                                    scale=a.time_scale, token_scale=a.token_scale, timeout=timeout, budget=round(timeout * 1.0625, 2)))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     phi_g, mu_g, search = burst_search(a, trace, root)
     print(f"burst search: Gyre φ={phi_g:g}, μ={mu_g} at E[d]={a.staleness:g}", file=sys.stderr, flush=True)
@@ -179,7 +182,8 @@ def main() -> int:
     result: dict[str, Any] = {
         "benchmark": "live_race",
         "job": {"cells": a.cells, "C_e": a.capacity, "N": a.n, "B": a.b, "steps": a.steps, "seed": a.seed,
-                "target_staleness": a.staleness, "time_scale": a.time_scale, "trace": str(trace),
+                "target_staleness": a.staleness, "time_scale": a.time_scale,
+                "token_scale": a.token_scale, "trace": str(trace),
                 "harness_timeout_s": timeout, "model": {"hidden_size": a.hidden, "num_layers": a.layers},
                 "gyre_burst": {"phi": phi_g, "mu": mu_g, **search}},
         "modes": live,

@@ -42,9 +42,31 @@ def test_a_group_replays_one_query_scaled_and_the_same_on_every_run() -> None:
             assert r.duration_s == pytest.approx(0.01 * r.recorded_s)
         refill = plan.record(gid, 5, 3)  # past the group: one more execution of the same query
         assert refill.query == group[0].query
+    assert all(plan.record(gid, 0, 3).context_tokens == 0 for gid in range(6))  # no token scale: short tool results
     a_groups = [gid for gid in range(6) if plan.record(gid, 0, 3).query == "q-a"]
     gid = a_groups[0]
     assert sorted(plan.record(gid, i, 3).outcome for i in range(3)) == ["completed", "failed", "harness_timeout"]
+
+
+def test_context_tokens_scale_the_recorded_tokens_or_ones_in_proportion_to_duration() -> None:
+    with_tokens = [ExecutionRecord("q", 1000.0, Outcome.COMPLETED, 50_000), ExecutionRecord("q", 3000.0, Outcome.COMPLETED, 90_000)]
+    plan = ReplayPlan(with_tokens, time_scale=0.01, seed=0, token_scale=0.01)
+    got = {plan.record(0, i, 2).recorded_s: plan.record(0, i, 2).context_tokens for i in range(2)}
+    assert got == {1000.0: 500, 3000.0: 900}
+    bare = ReplayPlan(TRACE, time_scale=0.01, seed=0, token_scale=0.5)  # no tokens: 1 token per recorded second
+    for gid in range(4):
+        r = bare.record(gid, 0, 3)
+        assert r.context_tokens == round(0.5 * r.recorded_s) and r.as_extra()["context_tokens"] == r.context_tokens
+
+
+def test_tool_results_share_out_what_the_context_still_lacks() -> None:
+    from gyre_core.tasks.replay_harness import tool_output, tool_words
+
+    assert tool_words(0, 10, 2, 1.0) == 0  # no target: one-line tool results
+    assert tool_words(500, 600, 2, 1.0) == 0  # already past it
+    assert tool_words(500, 100, 2, 2.0) == 100  # 400 tokens over two results at 2 tokens a word
+    text = tool_output(300, 1)
+    assert len(text.split()) >= 300 and text == tool_output(300, 1) and text != tool_output(300, 2)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +93,15 @@ def proxy():
     thread.join(10)
 
 
-def _replay(proxy, tmp_path: Path, outcome: str, duration_s: float) -> tuple[subprocess.Popen, Path, int]:
+def _replay(proxy, tmp_path: Path, outcome: str, duration_s: float, *extra: str,
+            calls: int = 3) -> tuple[subprocess.Popen, Path, int]:
     svc, url = proxy
     eid, key = svc.create_execution()
     work = tmp_path / outcome
     work.mkdir()
     env = {**os.environ, "OPENAI_BASE_URL": url + "/v1", "OPENAI_API_KEY": key, "GYRE_MODEL": "gyre-policy"}
     proc = subprocess.Popen([sys.executable, "-m", "gyre_core.tasks.replay_harness", "Reply with digits.",
-                             "--duration-s", str(duration_s), "--outcome", outcome, "--calls", "3"],
+                             "--duration-s", str(duration_s), "--outcome", outcome, "--calls", str(calls), *extra],
                             cwd=work, env=env, start_new_session=True)
     return proc, work, eid
 
@@ -111,3 +134,30 @@ def test_timeouts_keep_working_until_the_run_kills_them(proxy, tmp_path: Path) -
         for p in (scored, lost):
             p.kill()
             p.wait(10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("calls", [2, 4])
+def test_tool_results_grow_the_context_to_the_recorded_tokens(proxy, tmp_path: Path, calls: int) -> None:
+    """With ``--context-tokens`` the last call's context holds about that many tokens, from the
+    rate the run measures with its tokenizer; with a rate far off, the sizing corrects itself from
+    the proxy's usage counts after the first tool result."""
+    from gyre_core.tasks.replay_harness import tool_output
+
+    svc, _ = proxy
+    text = tool_output(400, 0)
+    rate = len(svc.renderer.encode(text)) / len(text.split())  # what the run passes
+    target = 900
+    proc, _, eid = _replay(proxy, tmp_path, "completed", 0.5, "--context-tokens", str(target),
+                           "--tokens-per-word", f"{rate:.3f}", calls=calls)
+    assert proc.wait(60) == 0
+    lens = [c.input_len for c in svc.records(eid).calls]
+    assert len(lens) == calls and lens == sorted(lens)
+    assert 0.85 * target <= lens[-1] <= 1.05 * target, lens
+    if calls > 2:  # started from a rate 3x too low: the first result overshoots its share, the rest correct it
+        (tmp_path / "off").mkdir()
+        off, _, eid = _replay(proxy, tmp_path / "off", "completed", 0.5, "--context-tokens", str(target),
+                              "--tokens-per-word", f"{rate / 3:.3f}", calls=calls)
+        assert off.wait(60) == 0
+        lens = [c.input_len for c in svc.records(eid).calls]
+        assert lens[-1] <= 1.6 * target and lens[2] - lens[1] < (lens[1] - lens[0]) / 2, lens

@@ -153,6 +153,11 @@ def test_replay_settings_are_checked_before_anything_runs(tmp_path) -> None:
         load_run_config(None, {"harness.kind": '"replay"'})
     with pytest.raises(ConfigError, match="harness.time_scale"):
         load_run_config(None, {**base, "harness.time_scale": "0"})
+    assert load_run_config(None, {**base, "harness.token_scale": "0.003"}).harness.token_scale == 0.003
+    with pytest.raises(ConfigError, match="harness.token_scale.*≥ 0"):
+        load_run_config(None, {**base, "harness.token_scale": "-0.1"})
+    with pytest.raises(ConfigError, match="harness.token_scale.*replay_calls"):
+        load_run_config(None, {**base, "harness.token_scale": "0.003", "harness.replay_calls": "1"})
     with pytest.raises(ConfigError, match="harness.trace"):
         load_run_config(None, {**base, "harness.trace": f'"{tmp_path / "missing.jsonl"}"'})
     bad = tmp_path / "bad.jsonl"

@@ -4,7 +4,7 @@ elastic mechanism it exists to show.
 The trace (the simulator's format) holds 32 queries of 4 executions of about 25 recorded minutes
 each, some recorded as complete failures; at time scale 0.004 each replays in ~6 s, making two
 model calls through the TITO proxy (the policy's own replies fed back) with tool time between
-them. 16 executions run at once on a core and one satellite and end in one cluster: the core
+them, and a tool result that grows its context to the recorded tokens at token scale 0.2 (~300). 16 executions run at once on a core and one satellite and end in one cluster: the core
 starts the step on the first finished groups while the satellite serves the rest, and once nothing
 is left to serve (w = 0, rule 5 with K = 2 and no pool) the satellite joins the running step.
 Checked: the join (mid-step, and it trained), the replayed outcomes scored by the digits task's
@@ -28,6 +28,7 @@ pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 
 STEPS, N, B = 2, 4, 4
+TOKEN_SCALE = 0.2  # the trace has no tokens: 1 per recorded second, so ~300 of context per replay
 CONFIG = """
 [model]
 hidden_size = 384   # a step of ~2.5 s: long enough for the satellite to arrive while it runs
@@ -53,6 +54,7 @@ time_scale = 0.004
 timeout_s = 40.0
 overall_budget_s = 60.0
 replay_calls = 2
+token_scale = {token_scale}
 [dataplane]
 token_budget = 512
 [sampling]
@@ -77,7 +79,7 @@ def test_a_replayed_workload_trains_and_a_satellite_joins_a_running_step(tmp_pat
     trace = tmp_path / "trace.jsonl"
     _clustered_trace(trace)
     cfg = tmp_path / "replay.toml"
-    cfg.write_text(CONFIG.format(n=N, b=B, steps=STEPS, trace=trace))
+    cfg.write_text(CONFIG.format(n=N, b=B, steps=STEPS, trace=trace, token_scale=TOKEN_SCALE))
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(cfg), "--out", str(out), "--json-summary"],
@@ -108,13 +110,22 @@ def test_a_replayed_workload_trains_and_a_satellite_joins_a_running_step(tmp_pat
     # scores 0 -- a reward, never a missing one; completed replays are scored from their replies
     from gyre_core.orchestrator.replay_plan import ReplayPlan
 
-    plan = ReplayPlan.from_config(str(trace), 0.004, 0)
+    plan = ReplayPlan.from_config(str(trace), 0.004, 0, TOKEN_SCALE)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    recorded = {eid: plan.record(e["group_id"], i, len(e["execution_ids"])).outcome
-                for e in events if e.get("command") == "DispatchGroup" for i, eid in enumerate(e["execution_ids"])}
+    records = {eid: plan.record(e["group_id"], i, len(e["execution_ids"]))
+               for e in events if e.get("command") == "DispatchGroup" for i, eid in enumerate(e["execution_ids"])}
+    recorded = {eid: r.outcome for eid, r in records.items()}
     journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     rewards = {r["execution_id"]: r["reward"] for r in journal if r.get("kind") == "scored"}
     failed = [e for e in rewards if recorded[e] == "failed"]
     assert failed and all(rewards[e] == 0.0 for e in failed), {e: rewards[e] for e in failed}
     assert any(rewards[e] > 0 for e in rewards if recorded[e] == "completed")
     assert all((out / "executions" / f"e{e:05d}" / "reply.txt").read_text() == "" for e in failed)
+
+    # the recorded tokens reach what trains: each replay's trajectory (the rows its step trained)
+    # holds about the scaled context, within the one-row token budget
+    sizes = {r["execution_id"]: sum(len(n["tokens"]) for n in r["tree"]["nodes"])
+             for r in journal if r.get("kind") == "trajectory"}
+    assert sizes
+    for eid, n in sizes.items():
+        assert 0.8 * records[eid].context_tokens <= n <= 512, (eid, n, records[eid].context_tokens)

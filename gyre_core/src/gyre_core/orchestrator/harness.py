@@ -162,7 +162,9 @@ def launch_command(spec: ExecutionSpec) -> list[str] | None:
     if spec.harness == "replay":
         r = x["replay"]
         return [sys.executable, "-m", "gyre_core.tasks.replay_harness", spec.task, "--duration-s",
-                repr(float(r["duration_s"])), "--outcome", str(r["outcome"]), "--calls", str(int(r.get("calls", 3)))]
+                repr(float(r["duration_s"])), "--outcome", str(r["outcome"]), "--calls", str(int(r.get("calls", 3))),
+                "--context-tokens", str(int(r.get("context_tokens", 0))),
+                "--tokens-per-word", repr(float(r.get("tokens_per_word", 1.0)))]
     if spec.harness == "command":
         cmd = x.get("command")
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(c, str) for c in cmd):

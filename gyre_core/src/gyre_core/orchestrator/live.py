@@ -124,7 +124,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         if cfg.harness.kind == "replay":
             from gyre_core.orchestrator.replay_plan import ReplayPlan
 
-            self.replay_plan = ReplayPlan.from_config(cfg.harness.trace, cfg.harness.time_scale, cfg.run.seed)
+            self.replay_plan = ReplayPlan.from_config(cfg.harness.trace, cfg.harness.time_scale, cfg.run.seed,
+                                                      cfg.harness.token_scale)
         self._steps: dict[int, _Step] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None

@@ -97,6 +97,8 @@ class ExecutionsMixin:
             extra["replay"] = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id),
                                                       len(members)).as_extra()
             extra["replay"]["calls"] = self.cfg.harness.replay_calls
+            extra["replay"]["context_tokens"] = min(extra["replay"]["context_tokens"], self._replay_context_cap())
+            extra["replay"]["tokens_per_word"] = self._replay_tokens_per_word()
         if self.sandbox is not None:
             extra["sandbox"] = self.sandbox
         spec = ExecutionSpec(
@@ -215,6 +217,23 @@ class ExecutionsMixin:
         if isinstance(answer, ev.EvaluationUnresolved) and not answer.final and self.now() >= deadline:
             answer = self.ledger.evaluate(eid, evaluator, self.now())  # budget spent: excluded
         return answer
+
+    def _replay_context_cap(self) -> int:
+        """The most context a replay may grow to: its last reply must still fit one micro-step row
+        (``dataplane.token_budget``; a longer row cannot be trained), with room for the sizing's error."""
+        room = self.cfg.dataplane.token_budget - self.cfg.sampling.max_new_tokens
+        return max(0, int(0.9 * room) - 64)
+
+    def _replay_tokens_per_word(self) -> float:
+        """Tokens per word of the replay's tool output under the run's tokenizer: where each
+        replay's sizing starts (it then corrects itself from the proxy's usage counts)."""
+        rate = getattr(self, "_tool_output_rate", None)
+        if rate is None:
+            from gyre_core.tasks.replay_harness import tool_output
+
+            text = tool_output(400, 0)
+            rate = self._tool_output_rate = round(len(self.proxy.renderer.encode(text)) / len(text.split()), 3)
+        return rate
 
     def _cancel(self, eid: int) -> None:
         ex = self._execs[eid]

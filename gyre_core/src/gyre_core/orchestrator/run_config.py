@@ -86,6 +86,10 @@ class HarnessSection:
     ``timeout_s`` to the recording's harness timeout times this, so timeouts land where they did."""
     replay_calls: int = 3
     """``replay``: model calls per execution, the context growing with each."""
+    token_scale: float = 0.0
+    """``replay``: context tokens per recorded token (the trace's ``tokens``): the tool results
+    grow each replay's context to that many tokens, capped to fit ``dataplane.token_budget``, so a
+    step trains on contexts in proportion to the recording's. 0: one-line tool results."""
 
 
 @dataclass
@@ -271,6 +275,10 @@ class RunConfig:
         need(self.harness.time_scale > 0 and math.isfinite(self.harness.time_scale), "harness.time_scale",
              "must be a positive number")
         need(self.harness.replay_calls >= 1, "harness.replay_calls", "must be ≥ 1")
+        need(self.harness.token_scale >= 0 and math.isfinite(self.harness.token_scale), "harness.token_scale",
+             "must be a number ≥ 0")
+        need(self.harness.token_scale == 0 or self.harness.replay_calls >= 2, "harness.token_scale",
+             "needs harness.replay_calls ≥ 2 (the context grows through tool results between calls)")
         if self.harness.kind == "replay" and self.harness.trace:
             from gyre_core.simulator.workload import TraceError, load_trace
 
