@@ -95,6 +95,20 @@ def test_a_run_folder_gives_its_scheduler_its_costs_and_its_groups_in_order(tmp_
     assert len(cal.workload.draw_indexed(50, rng, 2).executions) == 2  # past the run: drawn from its executions
 
 
+def test_the_fit_reads_every_token_the_trainer_read_where_the_run_recorded_it(tmp_path: Path) -> None:
+    """A replay's contexts cost training as much as its replies: ``row_tokens`` (contexts and
+    replies) is what the fit and the simulated executions use; ``tokens`` (sampled) only where a
+    run predates it."""
+    run = _run_dir(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    for rec in summary["step_records"]:  # 10x the sampled tokens read: same durations, 10x the rate
+        rec["row_tokens"] = 10 * rec["tokens"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    cal = calibrate_from_run(run)
+    assert cal.params.cell_tokens_per_s == pytest.approx(1000.0) and cal.params.optimizer_s == pytest.approx(0.5)
+    assert cal.measured["tokens_per_execution"] == 1333
+
+
 def test_a_replay_run_is_simulated_on_the_draws_it_replayed(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     recs = [ExecutionRecord(f"q{q}", 1000.0 * (i + 1) + q, Outcome.COMPLETED) for q in range(5) for i in range(4)]

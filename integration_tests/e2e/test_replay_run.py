@@ -104,6 +104,8 @@ def test_a_replayed_workload_trains_and_a_satellite_joins_a_running_step(tmp_pat
     assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
     for rec in summary["step_records"]:
         assert len(rec["groups"]) == B and rec["executions"] == B * N and rec["mean_reward"] is not None
+        # the trainer read the replayed contexts (~300 tokens each), not only the sampled replies
+        assert rec["row_tokens"] >= 0.8 * 0.9 * TOKEN_SCALE * 1440 * rec["executions"] > rec["tokens"], rec
 
     # replayed as recorded: each execution replays the record the run's replay plan gives it; a
     # recorded failure leaves nothing to assess but an empty reply, which the digits evaluator

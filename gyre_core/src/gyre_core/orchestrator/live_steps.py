@@ -178,6 +178,8 @@ class StepsMixin:
                "executions": len(rewards), "cells": sorted(infos),
                "duration_s": round(self.now() - st.started, 3), "started_s": round(st.started, 3),
                "ended_s": round(self.now(), 3), "micro_steps": st.packing.micro_steps,
+               # every token the trainer read (contexts and replies; ``tokens`` counts the sampled ones)
+               "row_tokens": st.packing.tokens_emitted,
                "split_executions": st.packing.split_executions,
                "joins": _joins([(c, infos[c]) for c in sorted(infos) if c]),
                # satellites the scheduler sent into the step while it was already training

@@ -6,13 +6,15 @@ with what that run measured instead of the paper's figures:
 - **role switches**: the median ``total_s`` of each direction (``summary.json`` ``role_switches``);
 - **publication**: the median export + load time of a published version;
 - **training**: per-cell throughput and a fixed per-step cost, fitted by least squares to
-  ``duration = fixed + tokens / (cells × rate)`` over the run's steps (a step's duration in the
-  live run also holds its waits for ready groups, so the fit is an upper bound on pure compute);
+  ``duration = fixed + tokens / (cells × rate)`` over the run's steps, where ``tokens`` is every
+  token the trainer read (``row_tokens``: contexts and replies; runs that predate it give the
+  sampled ``tokens``). A step's duration in the live run also holds its waits for ready groups,
+  so the fit is an upper bound on pure compute;
 - **the scheduler**: the run's own ``[scheduler]`` section (from the journal's config record);
 - **the workload**: for a ``replay`` run, the trace it replayed, scaled by its ``time_scale``, group
   by group as the run drew it (:class:`~gyre_core.orchestrator.replay_plan.ReplayPlan`); for any
   other harness, the executions the run measured (launch to end), group by group. Each execution
-  carries the run's mean trained tokens per execution.
+  carries the run's mean tokens read per execution.
 
 Nothing here re-implements a rule: the result feeds :func:`gyre_core.simulator.race.race`.
 """
@@ -156,10 +158,12 @@ def calibrate_from_run(run_dir: str | Path, steps: int | None = None, seed: int 
     to_train = [float(s["total_s"]) for s in switches if s.get("transition") == "to_training"]
     to_roll = [float(s["total_s"]) for s in switches if s.get("transition") == "to_rollout"]
     pubs = [float(p.get("export_s", 0.0)) + float(p.get("load_s", 0.0)) for p in summary.get("publications") or []]
-    trained = [r for r in summary.get("step_records") or [] if r.get("tokens") and r.get("duration_s")]
-    rate, fixed = fit_training_time([(float(r["duration_s"]), int(r["tokens"]), len(r.get("cells") or [0]))
-                                     for r in trained])
-    per_exec = sum(int(r["tokens"]) for r in trained) / max(1, sum(int(r.get("executions") or 0) for r in trained))
+    def read(r: Mapping[str, Any]) -> int:
+        return int(r.get("row_tokens") or r.get("tokens") or 0)
+
+    trained = [r for r in summary.get("step_records") or [] if read(r) and r.get("duration_s")]
+    rate, fixed = fit_training_time([(float(r["duration_s"]), read(r), len(r.get("cells") or [0])) for r in trained])
+    per_exec = sum(read(r) for r in trained) / max(1, sum(int(r.get("executions") or 0) for r in trained))
     tokens = max(1, round(per_exec))
     defaults = SimParams()
     run_seed = int(cfg_raw.get("run", {}).get("seed", 0)) if seed is None else seed
