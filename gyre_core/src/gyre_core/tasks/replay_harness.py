@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         # tool time: the next call starts where the recording's pace puts it
         time.sleep(max(0.0, start + a.duration_s * (i + 1) / calls - time.monotonic()))
         if i + 1 < calls:
-            padded = tool_words(a.context_tokens, context, calls - 1 - i, rate)
+            # sized from the proxy's usage counts; without them the context is unknown: no padding
+            padded = tool_words(a.context_tokens, context, calls - 1 - i, rate) if usage is not None else 0
             output = ("\n" + tool_output(padded, i)) if padded else ""
             before = context
             messages.append({"role": "user", "content": f"Tool result {i + 1}: ok.{output}\nContinue with the same request."})
