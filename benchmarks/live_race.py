@@ -3,8 +3,10 @@
 Every mode runs ``gyre-orchestrate run`` for real (Megatron ranks, SGLang CPU engines, the TITO
 proxy, Mooncake publication) with the ``replay`` harness: each execution replays one recorded
 execution of the same trace (``--trace``, or one generated from the paper preset: long-tailed
-executions that end in clusters), scaled by ``--time-scale``, so every mode sees the same groups
-in the same order. The modes share one target staleness E[d]: Gyre's (φ, μ) comes from the
+executions that end in clusters), scaled by ``--time-scale``, with its recorded context scaled by
+``--token-scale`` (the tool results grow each replay's context, so a step trains on contexts in
+proportion to the recording's: what makes training a real fraction of an execution, as in the
+paper's regime), so every mode sees the same groups in the same order. The modes share one target staleness E[d]: Gyre's (φ, μ) comes from the
 simulator's burst search on the scaled trace (``simulate --auto-burst``, with ``--step-s`` as the
 estimated full-pool step), Async runs every split of its K cells (the best one counts), Colocate
 φ = 0, μ = 2·E[d] + 1. Then ``simulate --calibrate-from`` reads the Gyre run (its measured switch,
