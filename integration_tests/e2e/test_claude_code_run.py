@@ -12,12 +12,12 @@ none is excluded.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gyre_core.testing import assert_accounted, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.claude_code, pytest.mark.sglang, pytest.mark.megatron,
               pytest.mark.timeout(900)]
@@ -67,16 +67,11 @@ max_total_tokens = 32768
 max_new_tokens = 48
 """)
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(cfg), "--out", str(out), "--json-summary"],
-        capture_output=True, text=True, timeout=840, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_job(out, "--config", str(cfg), timeout=840)
     assert summary["steps"] == 1 and summary["policy_version"] == 1
     ex = summary["executions"]
-    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
-    assert accounted == ex["finished"] and ex["trained"] == 2 and ex["excluded"] == 0
+    assert_accounted(ex)
+    assert ex["trained"] == 2 and ex["excluded"] == 0, ex
 
     journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     scored = {j["execution_id"]: j for j in journal if j["kind"] == "scored"}

@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from gyre_core.testing import assert_accounted
+
 from gyre_core.dataplane.assessment import EvalState
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, Validity
@@ -143,10 +145,7 @@ def _events(out: Path) -> list[dict[str, Any]]:
 def _assert_nothing_lost(orch: Any, ex: dict[str, int]) -> None:
     """Every finished execution is trained, dropped, surplus, excluded, cancelled, or still waiting
     with a valid reward in the buffer (or its assessment still running at the stop): zero lost."""
-    assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0
-    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
-    assert accounted == ex["finished"], ex
-    assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
+    assert_accounted(ex)
     lost = [eid for eid, x in orch._execs.items() if x.fate == "ended"
             and x.reward is None and orch.ledger.state(eid) is not EvalState.AWAITING]
     assert lost == [], f"finished executions lost: {lost}"

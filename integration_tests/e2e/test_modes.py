@@ -18,13 +18,12 @@ cancelled) and each step trains N·B executions.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gyre_core.testing import assert_accounted, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(600)]
 
@@ -39,22 +38,14 @@ def _run(out: Path, mode: str, phi: float, mu: int) -> tuple[dict[str, Any], lis
     args = ["--set", f"scheduler.mode={mode}", "--set", f"scheduler.extra_dispatch={phi}",
             "--set", f"scheduler.steps_per_burst={mu}", "--set", f"scheduler.group_size={N}",
             "--set", f"scheduler.groups_per_step={B}", "--set", "run.max_wall_s=420.0"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(SMALL_JOB), "--out", str(out), "--steps", str(STEPS), "--json-summary", *args],
-        capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_job(out, "--config", str(SMALL_JOB), "--steps", str(STEPS), *args, timeout=540)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     return summary, events
 
 
 def _check_accounting(summary: dict[str, Any]) -> None:
     ex = summary["executions"]
-    assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0
-    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
-    assert accounted == ex["finished"], ex
-    assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
+    assert_accounted(ex)
     assert ex["trained"] == STEPS * B * N, ex
     assert summary["steps"] == STEPS and len(summary["step_records"]) == STEPS
     for rec in summary["step_records"]:

@@ -15,13 +15,12 @@ accounted for.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from gyre_core.testing import assert_accounted, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(600)]
 pytest.importorskip("sglang")
@@ -81,12 +80,7 @@ def test_a_replayed_workload_trains_and_a_satellite_joins_a_running_step(tmp_pat
     cfg = tmp_path / "replay.toml"
     cfg.write_text(CONFIG.format(n=N, b=B, steps=STEPS, trace=trace, token_scale=TOKEN_SCALE))
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(cfg), "--out", str(out), "--json-summary"],
-        capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = run_job(out, "--config", str(cfg), timeout=540)
     assert summary["steps"] == STEPS and summary["policy_version"] == STEPS
 
     # the mechanism: a satellite sent into a step the core was already training, and it trained
@@ -99,9 +93,8 @@ def test_a_replayed_workload_trains_and_a_satellite_joins_a_running_step(tmp_pat
 
     # every execution accounted for; each step trained N·B executions of the replayed trace
     ex = summary["executions"]
-    accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
-    assert accounted == ex["finished"] and ex["trained"] == STEPS * B * N, ex
-    assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
+    assert_accounted(ex)
+    assert ex["trained"] == STEPS * B * N, ex
     for rec in summary["step_records"]:
         assert len(rec["groups"]) == B and rec["executions"] == B * N and rec["mean_reward"] is not None
         # the trainer read the replayed contexts (~300 tokens each), not only the sampled replies
