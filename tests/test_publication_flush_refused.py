@@ -9,6 +9,7 @@ exactly as SGLang 0.5.23 does, so both outcomes are checked every time.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -90,3 +91,62 @@ def test_without_flush_cache_a_refusal_message_is_not_expected_and_fails() -> No
     engine = StubEngineAnswering({"success": False, "message": REFUSAL})
     with pytest.raises(EngineError):
         asyncio.run(load_published(engine, REF, flush_cache=False))  # type: ignore[arg-type]
+
+
+class StubEngineReportingLate(StubEngineAnswering):
+    """Stand-in for a busy SGLang engine: the load succeeds, but ``/model_info`` (answered by the
+    tokenizer manager) reports the new version only after ``late_reads`` more reads -- what a CI
+    machine under load showed live, where one read after the load still saw the old version."""
+
+    def __init__(self, late_reads: int, **kw: Any) -> None:
+        super().__init__({"success": True, "message": ""}, records_version=False, flush_ok=True, **kw)
+        self.late_reads, self.reads, self.loads = late_reads, 0, 0
+
+    async def post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        self.loads += 1
+        self.pending, self.reads = body["weight_version"], 0
+        return await super().post(path, body, timeout=timeout)
+
+    async def weight_version(self) -> str:
+        self.reads += 1
+        if self.reads > self.late_reads:
+            self.version = self.pending
+        return self.version
+
+
+def test_a_version_that_reaches_model_info_late_is_waited_for() -> None:
+    engine = StubEngineReportingLate(late_reads=4)
+    assert asyncio.run(load_published(engine, REF, version_wait_s=10.0)) == "3"  # type: ignore[arg-type]
+    assert engine.reads == 5 and engine.loads == 1
+
+
+def test_a_version_that_never_shows_fails_after_the_bounded_wait() -> None:
+    engine = StubEngineReportingLate(late_reads=10**9)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"weight_version '0' after loading 3 \(waited 0.3 s\)"):
+        asyncio.run(load_published(engine, REF, version_wait_s=0.3))  # type: ignore[arg-type]
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+def test_the_serving_side_retries_a_load_that_did_not_take() -> None:
+    """The first load's version never shows in time; the second try's does: one load retried,
+    no error reaches the orchestrator."""
+    from gyre_sglang.serving_side import SGLangServingSide
+
+    engine = StubEngineReportingLate(late_reads=10**9)
+    side = SGLangServingSide("http://stub", version_wait_s=0.2, load_attempts=2)
+    calls = {"n": 0}
+
+    async def loader(client: Any, weights: WeightsRef) -> str:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            engine.late_reads = 0  # the engine caught up
+        return await load_published(client, weights, version_wait_s=0.2)
+
+    side.weight_loader = loader
+    assert asyncio.run(side._load(engine, REF)) == "3"  # type: ignore[arg-type]
+    assert calls["n"] == 2 and engine.loads == 2
+
+    calls["n"], engine.late_reads, engine.version = 5, 10**9, "0"  # never catches up: the error surfaces
+    with pytest.raises(EngineError, match="after loading 3"):
+        asyncio.run(side._load(engine, REF))  # type: ignore[arg-type]

@@ -223,6 +223,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     x8 = execs[8]
     assert x8.harness_exit["end"] == "crashed" and x8.harness_exit["code"] in (-9, 128 + 9)  # 137: from its sandbox
     assert x8.fate == "excluded" and x8.reward is None and ledger.state(8) is EvalState.EXCLUDED
+    assert x8.why == "harness crashed" and ex["not_trained"]["excluded"]["harness crashed"] == 1, ex
     assert ended_at_of(out, 8) < ledger.deadline(8) - 5.0
 
     # Always raising / hanging evaluator, and a harness that hung before leaving anything to assess:
@@ -234,6 +235,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
         assert x.fate == "excluded" and x.reward is None and ledger.state(eid) is EvalState.EXCLUDED
         log = ledger.assessments(eid)
         assert len(log) >= 2 and all(a.validity is Validity.UNRESOLVED for a in log)
+        assert x.why in ("evaluator raised", "evaluator timed out", "evaluator answered unresolved"), (eid, x.why)
         deadline = ledger.deadline(eid)
         assert deadline - 0.5 <= ended_at[eid] <= deadline + 5.0, (eid, ended_at[eid], deadline)
     assert execs[6].outcome is Outcome.HARNESS_TIMEOUT and not (out / "executions" / "e00006" / "answer.json").exists()

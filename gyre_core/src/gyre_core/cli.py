@@ -360,10 +360,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.json_summary:
         print(json.dumps(summary))
     else:
-        ex = summary["executions"]
+        ex = dict(summary["executions"])
+        causes = ex.pop("not_trained", None) or {}
         print(f"{summary['steps']} steps in {summary['wall_s']:.0f} s ({summary['mode']}); mean staleness "
               f"{summary['mean_staleness']}; rewards per step {summary['rewards']}; "
               f"{len(summary['role_switches'])} role switches; executions {ex}; outputs in {cfg.run.out_dir}")
+        if causes:
+            print("not trained: " + "; ".join(f"{fate}: " + ", ".join(f"{n} {why}" for why, n in c.items())
+                                              for fate, c in causes.items()))
         for f in summary.get("satellite_failures") or []:
             print(f"step {f['step']}: cell(s) {f['cells']} died, the step finished on cells {f['survivors']}"
                   + (f", ranks restarted in {f['restart_s']} s" if f.get("restarted") else ""))

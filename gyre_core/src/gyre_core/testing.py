@@ -30,8 +30,14 @@ def run_job(out: Path, *args: str, timeout: float = 840.0) -> tuple[dict[str, An
 
 def assert_accounted(ex: Mapping[str, int]) -> None:
     """A summary's ``executions``: every finished execution is trained, dropped, filtered, surplus,
-    excluded, cancelled or still waiting, and every launched one finished, stopped or runs."""
+    excluded, cancelled or still waiting, each with its cause, and every launched one finished,
+    stopped or runs."""
     assert ex["dispatched"] >= ex["launched"] >= ex["finished"] > 0, ex
     accounted = ex["trained"] + ex["dropped"] + ex["filtered"] + ex["surplus"] + ex["excluded"] + ex["waiting"] + ex["cancelled"]
     assert accounted == ex["finished"], ex
     assert ex["launched"] - ex["finished"] == ex["stopped"] + ex["running"], ex
+    # and each one not trained has its cause: the causes of a fate add up to its count
+    causes = ex["not_trained"]
+    for fate in ("dropped", "filtered", "surplus", "excluded", "waiting", "cancelled"):
+        assert sum(causes.get(fate, {}).values()) == ex[fate], (fate, ex)
+    assert "cause not recorded" not in str(causes), causes

@@ -26,14 +26,14 @@ def gyre_plugin_info() -> dict[str, Any]:
 def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> Any:
     """Options: ``url`` of the engine's SGLang server (required; ``None`` without it, so another
     backend may answer), ``on_phase`` callback, ``weight_loader``, ``memory_tags``,
-    ``drain_timeout``."""
+    ``drain_timeout``, ``api_key``, ``version_wait_s`` and ``load_attempts`` (``[publication]``)."""
     url = options.get("url")
     if not url:
         return None
     from gyre_sglang.serving_side import SGLangServingSide
 
     kwargs = {k: options[k] for k in ("on_phase", "weight_loader", "memory_tags", "drain_timeout", "clock",
-                                      "api_key") if k in options}
+                                      "api_key", "version_wait_s", "load_attempts") if k in options}
     return SGLangServingSide(str(url), cell=engine, **kwargs)
 
 

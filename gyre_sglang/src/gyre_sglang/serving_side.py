@@ -24,6 +24,8 @@ forwards them to ``gyre_on_event``) and returned in order.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from typing import Awaitable, Callable, Sequence
 
@@ -33,34 +35,35 @@ from gyre_sglang.client import SGLangClient
 
 __all__ = ["SGLangServingSide", "WeightLoader"]
 
+log = logging.getLogger("gyre.sglang")
+
 WeightLoader = Callable[[SGLangClient, WeightsRef], Awaitable[str]]
 """Loads a published version into the engine and returns the engine's new ``weight_version``."""
 
 
-async def load_from_disk(client: SGLangClient, weights: WeightsRef) -> str:
+async def load_from_disk(client: SGLangClient, weights: WeightsRef, *, version_wait_s: float | None = None) -> str:
     """``location`` is a model directory in the serving layout (safetensors). A refused cache
     flush after the load (requests running) is a load, as for a Mooncake publication."""
-    from gyre_sglang.weight_publication import FLUSH_REFUSED
+    from gyre_sglang.weight_publication import FLUSH_REFUSED, VERSION_WAIT_S, await_version
 
     try:
         await client.update_weights_from_disk(weights.location, weight_version=str(weights.version))
     except EngineError as e:
         if FLUSH_REFUSED not in str(e):
             raise
-    version = await client.weight_version()
-    if version != str(weights.version):
-        raise EngineError("/model_info", 200, f"engine reports weight_version {version!r} after loading {weights.version}")
-    return version
+    return await await_version(client, weights.version, VERSION_WAIT_S if version_wait_s is None else version_wait_s)
 
 
-async def load_any(client: SGLangClient, weights: WeightsRef) -> str:
+async def load_any(client: SGLangClient, weights: WeightsRef, *, version_wait_s: float | None = None) -> str:
     """Default loader: a Mooncake publication (its location is a JSON object) is pulled by the
-    engine (:func:`gyre_sglang.weight_publication.load_published`); anything else is a directory."""
-    if weights.location.lstrip().startswith("{"):
-        from gyre_sglang.weight_publication import load_published
+    engine (:func:`gyre_sglang.weight_publication.load_published`); anything else is a directory.
+    Either waits up to ``version_wait_s`` for the engine to report the loaded version."""
+    from gyre_sglang.weight_publication import VERSION_WAIT_S, load_published
 
-        return await load_published(client, weights)
-    return await load_from_disk(client, weights)
+    wait = VERSION_WAIT_S if version_wait_s is None else version_wait_s
+    if weights.location.lstrip().startswith("{"):
+        return await load_published(client, weights, version_wait_s=wait)
+    return await load_from_disk(client, weights, version_wait_s=wait)
 
 
 class SGLangServingSide:
@@ -68,7 +71,10 @@ class SGLangServingSide:
 
     ``cell`` is the cell index (``-1`` for a standalone engine); ``clock`` gives the times the
     phases are reported with; ``weight_loader`` turns a :class:`WeightsRef` into loaded weights
-    (:func:`load_any`: pulled over Mooncake when the core published it there, else from disk).
+    (:func:`load_any`: pulled over Mooncake when the core published it there, else from disk,
+    waiting up to ``version_wait_s`` for the engine to report the loaded version). A load that
+    fails is tried ``load_attempts`` times in all before its error reaches the caller (who then
+    treats the engine as failed: the watchdog restarts it on the current policy).
     The async methods are the real implementation; the synchronous protocol methods run them on
     a private event loop for callers outside asyncio.
     """
@@ -80,7 +86,9 @@ class SGLangServingSide:
         cell: int = -1,
         clock: Callable[[], float] = time.monotonic,
         on_phase: Callable[[PhaseTiming], None] | None = None,
-        weight_loader: WeightLoader = load_any,
+        weight_loader: WeightLoader | None = None,
+        version_wait_s: float | None = None,
+        load_attempts: int = 2,
         memory_tags: Sequence[str] = ("kv_cache", "weights"),
         drain_timeout: float = 30.0,
         api_key: str | None = None,
@@ -90,7 +98,10 @@ class SGLangServingSide:
         self.cell = cell
         self.clock = clock
         self.on_phase = on_phase
-        self.weight_loader = weight_loader
+        if load_attempts < 1:
+            raise ValueError(f"load_attempts must be ≥ 1, got {load_attempts}")
+        self.weight_loader: WeightLoader = weight_loader or functools.partial(load_any, version_wait_s=version_wait_s)
+        self.load_attempts = load_attempts
         self.memory_tags = tuple(memory_tags)
         self.drain_timeout = drain_timeout
         self.weight_version: str | None = None
@@ -168,13 +179,26 @@ class SGLangServingSide:
         async with self._client() as c:
             await self._phase(out, t, "resume_memory", c.resume_memory_occupation(list(reversed(self.memory_tags))))  # type: ignore[arg-type]
             if weights is not None:
-                self.weight_version = str(await self._phase(out, t, "load_weights", self.weight_loader(c, weights)))
+                self.weight_version = str(await self._phase(out, t, "load_weights", self._load(c, weights)))
             await self._phase(out, t, "open_intake", c.post("/gyre/intake", {"open": True}))
         return out
 
+    async def _load(self, c: SGLangClient, weights: WeightsRef) -> str:
+        """Load ``weights``, trying again when a load did not take (the engine's error, or a
+        version that never showed); the last error is raised after ``load_attempts`` tries."""
+        for attempt in range(1, self.load_attempts + 1):
+            try:
+                return await self.weight_loader(c, weights)
+            except EngineError as e:
+                if attempt == self.load_attempts:
+                    raise
+                log.warning("engine %s: loading version %s failed (try %d of %d), trying again: %s",
+                            self.url, weights.version, attempt, self.load_attempts, e)
+        raise AssertionError("unreachable")
+
     async def aload_weights(self, weights: WeightsRef) -> str:
         async with self._client() as c:
-            self.weight_version = await self.weight_loader(c, weights)
+            self.weight_version = await self._load(c, weights)
         return self.weight_version
 
     async def ahealth(self) -> bool:

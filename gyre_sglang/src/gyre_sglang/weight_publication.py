@@ -27,6 +27,7 @@ its cache only when the load succeeded.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -55,8 +56,10 @@ __all__ = [
     "ManifestEntry",
     "PublicationError",
     "PulledWeights",
+    "VERSION_WAIT_S",
     "WeightPublisher",
     "WeightPuller",
+    "await_version",
     "load_published",
     "parse_location",
 ]
@@ -392,9 +395,35 @@ def ref_payload(ref: WeightsRef) -> str:
 FLUSH_REFUSED = "cache was not flushed because requests are still running"
 """SGLang's answer when the new weights are in but the prefix cache could not be flushed."""
 
+VERSION_WAIT_S = 30.0
+"""How long a load waits for ``/model_info`` to report the version it loaded (``publication.version_wait_s``)."""
+
+
+async def await_version(client: "SGLangClient", version: int, wait_s: float = VERSION_WAIT_S) -> str:
+    """Poll the engine's ``weight_version`` until it reports ``version``; bounded by ``wait_s``.
+
+    Why a wait and not one read: SGLang records the new version inside its scheduler process, and
+    ``/model_info`` is answered by the tokenizer manager, which learns it later. On a loaded
+    machine (an engine generating for other executions while it loads) the first read after a
+    successful load can still show the previous version. Raises :class:`EngineError` naming the
+    last version seen once ``wait_s`` is spent.
+    """
+    deadline = time.monotonic() + max(0.0, wait_s)
+    delay = 0.05
+    while True:
+        seen = await client.weight_version()
+        if seen == str(version) or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(1.0, delay * 2)
+    if seen != str(version):
+        raise EngineError("/model_info", 200,
+                          f"engine reports weight_version {seen!r} after loading {version} (waited {wait_s:g} s)")
+    return seen
+
 
 async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache: bool = True,
-                         timeout: float | None = None) -> str:
+                         timeout: float | None = None, version_wait_s: float = VERSION_WAIT_S) -> str:
     """Make the engine behind ``client`` pull and load ``ref``; return its new ``weight_version``.
 
     Runs inside SGLang's begin/end weight-update session (0.5.23 requires it for tensor updates)
@@ -407,6 +436,10 @@ async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache
     successful load here (the version check below proves it); the flush is tried once more and
     otherwise skipped, so cached prefixes computed by the previous version may be reused until
     evicted. Token records stay exact either way: the log-probs are those the engine sampled with.
+
+    The new version may reach ``/model_info`` after the update's answer (:func:`await_version`
+    waits up to ``version_wait_s`` for it); a load whose version never shows is an error, which
+    the serving side retries before it calls the engine failed.
     """
     info = await client.server_info()
     tp = int(info.get("tp_size", 1) or 1)
@@ -437,9 +470,7 @@ async def load_published(client: "SGLangClient", ref: WeightsRef, *, flush_cache
             pass
         raise
     await client.end_weight_update()
-    version = await client.weight_version()
-    if version != str(ref.version):
-        raise EngineError("/model_info", 200, f"engine reports weight_version {version!r} after loading {ref.version}")
+    version = await await_version(client, ref.version, version_wait_s)
     if flush_refused:
         try:
             await client.flush_cache()

@@ -311,18 +311,21 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         max_new_tokens=cfg.sampling.max_new_tokens,
         kv_handoff=cfg.proxy.kv_handoff,
     ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
+    # what every serving side (and a restarted engine's) needs: the key, and how loads are checked
+    serving_opts = {"api_key": engine_key, "version_wait_s": cfg.publication.version_wait_s,
+                    "load_attempts": cfg.publication.load_attempts}
     cells = []
     for i, e in enumerate(started):
         service.add_engine(pm.hook.gyre_make_engine_client(url=e.url, options={"api_key": engine_key}),
                            kind="cell", cell_index=i, capacity=cfg.scheduler.cell_capacity)
-        serving = pm.hook.gyre_make_serving_side(engine=i, options={"url": e.url, "api_key": engine_key})
+        serving = pm.hook.gyre_make_serving_side(engine=i, options={**serving_opts, "url": e.url})
         cells.append(CellHandles(i, serving, training[i], e.url))
     standalone = None
     if standalone_engine is not None:
         service.add_engine(pm.hook.gyre_make_engine_client(url=standalone_engine.url, options={"api_key": engine_key}),
                            kind="standalone", capacity=cfg.scheduler.standalone_capacity)
         standalone = StandaloneHandles(pm.hook.gyre_make_serving_side(
-            engine=-1, options={"url": standalone_engine.url, "api_key": engine_key}), standalone_engine.url)
+            engine=-1, options={**serving_opts, "url": standalone_engine.url}), standalone_engine.url)
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"
@@ -349,8 +352,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
                                     publisher=publisher, standalone=standalone, status=status)
-            orch.watchdog = _engine_watchdog(pm, opts, out, model_dir, engines, started, start_weights.version,
-                                             say, cfg, training, standalone_engine).attach(orch)
+            orch.watchdog = _engine_watchdog(pm, opts, serving_opts, out, model_dir, engines, started,
+                                             start_weights.version, say, cfg, training, standalone_engine).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
             if on_started is not None:
                 on_started({"orchestrator": orch, "engines": list(started), "standalone_engine": standalone_engine,
@@ -444,7 +447,8 @@ def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, optio
     return e
 
 
-def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, engines: list[Any],
+def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any], out: Path, model_dir: Path,
+                     engines: list[Any],
                      started: Sequence[Any], version: int, say: Callable[[str], None],
                      cfg: RunConfig, training: Sequence[Any], standalone: Any = None) -> EngineWatchdog:
     """The run's engine watchdog: a dead engine (a cell's, or ``-1``: the standalone pool's) is
@@ -474,7 +478,7 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], out: Path, model_dir: Path, 
         return proc is not None and proc.poll() is None
 
     return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say,
-                          engine_options={"api_key": opts["api_key"]}, **dataclasses.asdict(cfg.watchdog))
+                          engine_options=serving_opts, **dataclasses.asdict(cfg.watchdog))
 
 
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig,

@@ -376,7 +376,22 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                 "filtered": fates["filtered"],
                 "surplus": fates["surplus"], "cancelled": fates["cancelled"],
                 "waiting": fates["ended"] + fates["assigned"], "running": fates["running"],
-                "stopped": fates["stopped"]}
+                "stopped": fates["stopped"], "not_trained": self.not_trained()}
+
+    def not_trained(self) -> dict[str, dict[str, int]]:
+        """Every finished execution that was not trained, counted by fate and cause: which
+        evaluator failure or timeout excluded it, which group rule filtered or dropped it, or that
+        the run ended before a step took it (``waiting``). A slow machine shows here as
+        exclusions by timeout or as waiting executions, never as a silent gap."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for ex in self._execs.values():
+            if ex.fate in ("excluded", "dropped", "filtered", "surplus", "cancelled"):
+                out[ex.fate][ex.why or "cause not recorded"] += 1
+            elif ex.fate == "ended":
+                out["waiting"]["ended after the last step took its groups"] += 1
+            elif ex.fate == "assigned":
+                out["waiting"]["in a step the run's end cut short"] += 1
+        return {fate: dict(sorted(causes.items())) for fate, causes in sorted(out.items())}
 
     def summary(self) -> dict[str, Any]:
         # Over the groups of completed steps: a step the run's end cut short trained nothing.

@@ -44,6 +44,24 @@ class _Execution:
     """(tree, selected) as the execution ended: the proxy's records, kept for its evaluation."""
     harness_exit: dict[str, Any] | None = None
     """``{"code", "end"}`` when the harness exited non-zero (``end``: failed or crashed)."""
+    why: str = ""
+    """Why a finished execution was not trained (its fate's cause, counted in the summary)."""
+
+
+def exclusion_cause(assessments: Sequence[Assessment], harness_crashed: bool) -> str:
+    """Why an execution's assessment never resolved, in a few words a summary can count: the
+    harness crashed (nothing to assess), the evaluator timed out or raised, it answered
+    unresolved, or the budget ended before any attempt could start."""
+    if harness_crashed:
+        return "harness crashed"
+    if not assessments:
+        return "budget spent before any assessment"
+    detail = assessments[-1].detail
+    if detail.startswith("evaluator gave no answer"):
+        return "evaluator timed out"
+    if detail.startswith("evaluator raised"):
+        return "evaluator raised"
+    return "evaluator answered unresolved"
 
 
 def _with_exit(spec: ExecutionSpec, harness_exit: Mapping[str, Any]) -> ExecutionSpec:
@@ -178,16 +196,17 @@ class ExecutionsMixin:
                     self.journal.write("scored", execution_id=eid, group=ex.group_id, reward=reward)
                 used = self.buffer.put(ScoredExecution(eid, ex.group_id, reward, tree, selected))
                 if not used:
-                    ex.fate = "surplus"
+                    ex.fate, ex.why = "surplus", "its group already had its rewards"
                 self._emit(answer)
                 return
-            if not answer.final and ex.harness_exit and ex.harness_exit.get("end") == "crashed":
+            crashed = bool(ex.harness_exit and ex.harness_exit.get("end") == "crashed")
+            if not answer.final and crashed:
                 # nothing the crashed harness left can be assessed, and a retry would read the same
                 answer = self.ledger.exclude(eid)
             if answer.final:
-                ex.fate = "excluded"
+                ex.fate, ex.why = "excluded", exclusion_cause(self.ledger.assessments(eid), crashed)
                 if self.journal is not None:
-                    self.journal.write("excluded", execution_id=eid)
+                    self.journal.write("excluded", execution_id=eid, why=ex.why)
                 self.buffer.exclude(eid)
                 self._emit(answer)
                 return
@@ -237,18 +256,18 @@ class ExecutionsMixin:
 
     def _cancel(self, eid: int) -> None:
         ex = self._execs[eid]
-        prev, ex.fate = ex.fate, "cancelled"
+        prev, ex.fate, ex.why = ex.fate, "cancelled", "its group was complete (oversampled surplus)"
         if prev == "running" and ex.handle is not None:
             self._spawn(asyncio.to_thread(ex.handle.kill), f"cancel of execution {eid}")
             self.proxy.close_execution(eid)
         self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
 
-    def _account_group(self, gid: int, fate: str, from_fates: tuple[str, ...] = ("ended",)) -> None:
+    def _account_group(self, gid: int, fate: str, from_fates: tuple[str, ...] = ("ended",), why: str = "") -> None:
         """Move a group's executions from ``from_fates`` to ``fate`` (``trained`` only once the
         step that consumed them has applied its update)."""
         for ex in self._execs.values():
             if ex.group_id == gid and ex.fate in from_fates:
-                ex.fate = fate
+                ex.fate, ex.why = fate, why
 
     def _group_members(self, gid: int) -> list[int]:
         return [e for e, x in self._execs.items() if x.group_id == gid]
@@ -273,8 +292,9 @@ class ExecutionsMixin:
         """The scheduler's decision on a group short of N valid rewards, carried out in the buffer."""
         if isinstance(cmd, ev.GroupDropped):
             self.buffer.drop(cmd)
-            self._account_group(cmd.group_id, "dropped")
+            self._account_group(cmd.group_id, "dropped", why="group could no longer reach N valid rewards (drop rule)")
             return
         self.buffer.filter(cmd)
         if cmd.empty:  # its few valid rewards give no group baseline: nothing of it is trained
-            self._account_group(cmd.group_id, "filtered")
+            self._account_group(cmd.group_id, "filtered",
+                                why="group held fewer valid rewards than min_valid_rewards (filter rule: empty group)")

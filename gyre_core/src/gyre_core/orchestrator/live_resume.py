@@ -111,11 +111,12 @@ class ResumeMixin:
                         ex.trajectory = (tree_from_json(rec["tree"]), selected_from_json(rec["selected"]))
                     assert ex.trajectory is not None, f"journal: execution {eid} scored without its records"
                     if not self.buffer.put(ScoredExecution(eid, ex.group_id, reward, *ex.trajectory)):
-                        ex.fate = "surplus"
+                        ex.fate, ex.why = "surplus", "its group already had its rewards"
             elif kind == "excluded":
                 eid = int(rec["execution_id"])
                 evaluated.add(eid)
                 self._execs[eid].fate = "excluded"
+                self._execs[eid].why = str(rec.get("why") or "evaluation unresolved (journalled before causes were)")
                 self.buffer.exclude(eid)
         self.progress(f"resumed from the journal at t={replay.last_time:.1f} s: {self.sched.steps_done} steps done, "
                       f"{len(launched) - len(ended)} execution(s) to restart")

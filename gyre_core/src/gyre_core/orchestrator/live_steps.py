@@ -245,23 +245,24 @@ class StepsMixin:
         ref = await self._export(version)
         previous, self.weights = self.weights, ref
         exported = self.now()
-        for c in self.cells:
-            if self._engine_role[c.index] == "rollout":
-                if self.watchdog is not None and self.watchdog.down(c.index):
-                    continue  # being restarted by the watchdog: it comes back on self.weights
-                url = c.engine_url
-                try:
-                    await load_weights_on(c.serving, ref)
-                except Exception:  # an engine that died meanwhile is the watchdog's to restart
-                    if self.watchdog is None or not await self.watchdog.took_over(c.index, url):
-                        raise
-        if self.standalone is not None and not (self.watchdog is not None and self.watchdog.down(-1)):
-            url = self.standalone.engine_url  # the pool never trains: it loads every version as it is published
+        # every rollout engine, and the pool (it never trains: it loads every version published)
+        targets = [(c.index, c) for c in self.cells if self._engine_role[c.index] == "rollout"]
+        targets += [(-1, self.standalone)] if self.standalone is not None else []
+        for engine, handles in targets:
+            if self.watchdog is not None and self.watchdog.down(engine):
+                continue  # being restarted by the watchdog: it comes back on self.weights
+            url = handles.engine_url
             try:
-                await load_weights_on(self.standalone.serving, ref)
-            except Exception:  # died meanwhile: the watchdog restarts it on self.weights
-                if self.watchdog is None or not await self.watchdog.took_over(-1, url):
+                await load_weights_on(handles.serving, ref)
+            except Exception as e:
+                # A load that did not take after its retries (or an engine that died meanwhile)
+                # is the watchdog's: it takes the engine out of routing now and restarts it on
+                # self.weights, the version just published. The run goes on.
+                if self.watchdog is None:
                     raise
+                self.watchdog.report_failed(engine, url, f"publication of version {version} failed: "
+                                                         f"{type(e).__name__}: {str(e)[:200]}")
+                log.warning("engine %s did not load version %s; the watchdog restarts it: %s", url, version, e)
         self.proxy.policy_version = version
         if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
             await asyncio.to_thread(self.publisher.release_older_than, previous.version)

@@ -205,6 +205,12 @@ class PublicationSection:
     """Address the engines reach the orchestrator's publication at; empty: ``cluster.control_host``
     (every other node already reaches it). Ranks and engines advertise their own node's address
     (``GYRE_MOONCAKE_HOST`` on a node overrides what it would pick)."""
+    version_wait_s: float = 30.0
+    """How long a load waits for the engine to report the version it loaded: a busy engine's
+    ``/model_info`` may learn the new version well after the load's answer."""
+    load_attempts: int = 2
+    """Tries of one engine's load before it is called failed; a rollout engine that fails them is
+    restarted by the watchdog on the current policy and the run goes on."""
 
 
 @dataclass
@@ -339,6 +345,8 @@ class RunConfig:
         need(self.cluster.ray_gpus_per_rank >= 0, "cluster.ray_gpus_per_rank", "must be ≥ 0")
         need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
              f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
+        need(self.publication.version_wait_s >= 0, "publication.version_wait_s", "must be ≥ 0")
+        need(self.publication.load_attempts >= 1, "publication.load_attempts", "must be ≥ 1")
         need(self.publication.protocol in ("tcp", "rdma"), "publication.protocol",
              f"unknown Mooncake protocol {self.publication.protocol!r} (expected \"tcp\" or \"rdma\")")
         need(self.publication.protocol != "rdma" or bool(self.publication.device.strip()), "publication.device",

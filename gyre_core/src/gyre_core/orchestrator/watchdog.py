@@ -25,6 +25,10 @@ are watched: one that dies while its cell trains fails the run at the switch bac
 The standalone pool's engine (engine ``-1``, when ``C_s > 0``) is watched the same way, always (it
 never trains); a cell's dead engine sends its executions to the pool first, as a role switch does.
 After ``max_restarts`` restarts of one engine the watchdog raises, which fails the run.
+
+A caller may also find an engine failed: a publication whose load did not take after its retries
+(:meth:`EngineWatchdog.report_failed`). The engine is then taken out of routing at once and its
+watch restarts it exactly as above, so one engine's slow or refused load never ends the run.
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ class EngineWatchdog:
         self.restarts: list[EngineRestart] = []
         self.orch: Any = None
         self._ready: dict[int, asyncio.Event] = {}
+        self._reported: dict[int, EngineRestart] = {}
+        """Engines a caller found failed (:meth:`report_failed`), taken down, awaiting restart."""
 
     # ------------------------------------------------------------------ what the driver uses
 
@@ -163,6 +169,12 @@ class EngineWatchdog:
         last_health = time.monotonic()
         while True:
             await asyncio.sleep(self.interval_s)
+            reported = self._reported.pop(cell, None)
+            if reported is not None:  # a caller found it failed and took it down already
+                fails = 0
+                await self._bring_back(cell, reported)
+                last_health = time.monotonic()
+                continue
             if not self._in_rollout(cell):
                 fails, last_health = 0, time.monotonic()
                 continue
@@ -186,7 +198,21 @@ class EngineWatchdog:
 
     # ------------------------------------------------------------------ recovery
 
+    def report_failed(self, cell: int, url: str, reason: str) -> None:
+        """A caller saw the engine at ``url`` fail (a publication's load that never took): take it
+        out of routing now and have its watch restart it on the current policy, as if the watch
+        had found it dead. Nothing happens if the engine is already being (or has been) replaced;
+        raises :class:`WatchdogGaveUp` when it has used up its restarts."""
+        if self.down(cell) or self._handles(cell).engine_url != url or cell in self._reported:
+            return
+        self._reported[cell] = self._take_down(cell, reason)
+
     async def _recover(self, cell: int, reason: str) -> None:
+        await self._bring_back(cell, self._take_down(cell, reason))
+
+    def _take_down(self, cell: int, reason: str) -> EngineRestart:
+        """Mark the engine down and move its executions to the engines that serve (synchronous:
+        no call can be routed to it once this returns)."""
         orch = self.orch
         c = self._handles(cell)
         name = self._name(cell)
@@ -205,6 +231,14 @@ class EngineWatchdog:
                f"moved to {sorted(set(moved.moved.values())) or 'nowhere yet'}; restarting it")
         log.warning(msg)
         self.progress(msg)
+        return rec
+
+    async def _bring_back(self, cell: int, rec: EngineRestart) -> None:
+        """Restart the engine, bring it to the current policy and route to it again."""
+        orch = self.orch
+        c = self._handles(cell)
+        name = self._name(cell)
+        old_url = rec.old_url
         try:
             engine = await self.restart(cell)
         except Exception as e:
@@ -238,16 +272,3 @@ class EngineWatchdog:
                f"after {rec.back_at - rec.detected_at:.1f} s")
         log.warning(msg)
         self.progress(msg)
-
-    async def took_over(self, cell: int, url: str, wait_s: float | None = None) -> bool:
-        """A call to the cell's engine at ``url`` just failed: True once the watchdog has that
-        engine (restarting it, or already replaced it), so the caller may go on without it;
-        False if it does not take it within ``wait_s`` (the failure is then someone else's)."""
-        limit = wait_s if wait_s is not None else 4 * self.interval_s + 1.0
-        deadline = time.monotonic() + limit
-        while True:
-            if self.down(cell) or self._handles(cell).engine_url != url:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(self.interval_s / 2)
