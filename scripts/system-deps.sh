@@ -63,6 +63,7 @@ check libibverbs1 "libibverbs.so.1, loaded by Mooncake's transfer engine at ever
     lib_loads libibverbs.so.1
 check libnuma1 "libnuma.so.1, linked by Mooncake's transfer engine" lib_loads libnuma.so.1
 check bubblewrap "bwrap, which runs each execution's harness in its own sandbox" have bwrap
+check libseccomp2 "libseccomp.so.2, which compiles each sandbox's system-call filter" lib_loads libseccomp.so.2
 if [ "$purpose" = test ] && [ -z "${GYRE_SETUP_NO_NODE:-}" ]; then
     check nodejs "node, which runs the real Claude Code CLI in the claude_code tests" have node
     check npm "npm, which installs the pinned Claude Code CLI for those tests" have npm

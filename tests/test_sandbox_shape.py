@@ -18,9 +18,17 @@ def test_wrap_hides_the_run_and_binds_back_only_the_execution(tmp_path: Path) ->
     out.mkdir()
     key.write_text("k" * 64)
     spec = SandboxSpec((str(out), str(key)), "/tmp/gyre-proxy-x/proxy.sock", "127.0.0.1", 8100)
-    argv = wrap(["harness", "--flag"], spec, str(out / "executions" / "e00001"), str(out / "executions" / "e00001.home"))
+    launch = wrap(["harness", "--flag"], spec, str(out / "executions" / "e00001"), str(out / "executions" / "e00001.home"))
+    argv = launch.argv
     joined = " ".join(argv)
     assert argv[0] == "bwrap" and "--unshare-pid" in argv and "--unshare-net" in argv and "--die-with-parent" in argv
+    assert "--new-session" in argv and all(f"--tmpfs {p}" in joined for p in ("/tmp", "/run", os.path.expanduser("~")))
+    # an unprivileged identity: root builds it in its own user namespace and the relay drops to it;
+    # anyone else gets bubblewrap's, with no capability and no further user namespace
+    if os.geteuid() == 0:
+        assert argv[argv.index("--userns") + 1] == str(launch.pass_fds[0]) and "--drop-to" in argv
+    else:
+        assert "--disable-userns" in argv and "--cap-drop ALL" in joined and launch.pass_fds == ()
     assert f"--tmpfs {out}" in joined and f"--ro-bind /dev/null {key}" in joined
     assert joined.index(f"--tmpfs {out}") < joined.index(f"--bind {out}/executions/e00001 ")  # hide, then bind back
     assert argv[-2:] == ["harness", "--flag"] and "gyre_core.orchestrator.sandbox_relay" in argv
@@ -37,8 +45,8 @@ def test_a_missing_bubblewrap_is_named_with_its_fix_and_the_opt_out(monkeypatch:
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 def test_the_relay_ends_as_its_harness_ends(tmp_path: Path) -> None:
     """A harness killed by a signal must look killed to the orchestrator (bwrap: 128 + signal)."""
-    base = ["bwrap", "--die-with-parent", "--unshare-pid", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--", sys.executable, "-m", "gyre_core.orchestrator.sandbox_relay", str(tmp_path / "none.sock"),
+    base = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--dev", "/dev",
+            "--proc", "/proc", "--", sys.executable, "-m", "gyre_core.orchestrator.sandbox_relay", str(tmp_path / "none.sock"),
             "127.0.0.1", "0", "--", sys.executable, "-c"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     killed = subprocess.run(base + ["import os; os.kill(os.getpid(), 9)"], env=env, timeout=60)

@@ -61,15 +61,21 @@ def write_key(path: str | Path) -> bytes:
 
 
 def read_key(path: str | Path) -> bytes:
-    """The key in ``path``, refused when anyone but its owner may read or write it (or it is a
-    symlink): a key others can read lets them drive the ranks."""
+    """The key in ``path``, refused when anyone but its owner may read or write it, when its owner
+    is not this process's user, or when it is a symlink: a key others can read lets them drive the
+    ranks, and a key someone else planted (0600 but theirs, in a shared folder) would let them
+    impersonate the orchestrator to the ranks."""
     p = Path(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise ValueError(f"control key {path}: cannot be opened ({e.strerror}; a symlink is refused)") from None
     with os.fdopen(fd) as f:
-        mode = os.fstat(f.fileno()).st_mode & 0o777
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"control key {path} is owned by uid {st.st_uid}, not by this process's user "
+                             f"(uid {os.geteuid()}): a key someone else owns is refused")
+        mode = st.st_mode & 0o777
         if mode & 0o077:
             raise ValueError(f"control key {path} has mode {mode:o}: only its owner may read it (chmod 600)")
         key = f.read().strip()

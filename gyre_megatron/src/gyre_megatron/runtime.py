@@ -223,6 +223,13 @@ class CellRank(RankChecks):
                 claim = lambda _t: next(it, None)  # noqa: E731
         return ControlChannel(self.side_group, self.leader, claim, self.opts.heartbeat_s)
 
+    def _tokens_from_last(self, tokens: int) -> int:
+        """The cell's token count, known on its last stage, on every stage (a tensor broadcast:
+        nothing pickled crosses between ranks)."""
+        box = torch.tensor([int(tokens) if self.rank == self.last else 0], dtype=torch.int64)
+        dist.broadcast(box, src=self.last, group=self.side_group)
+        return int(box[0])
+
     def _stream(self, control: ControlChannel) -> Any:
         return run_streaming_1f1b(self.model, self.config, self.p2p, control, gpt_forward_step, self._shape_of)
 
@@ -396,9 +403,7 @@ class CellRank(RankChecks):
         if self.rank == self.last:
             info["objective"] = objective_figures(res.losses)
         # token count of this cell, from its last stage to every stage
-        box = [res.tokens]
-        dist.broadcast_object_list(box, src=self.last, group=self.side_group)
-        tokens = int(box[0])
+        tokens = self._tokens_from_last(res.tokens)
         # the join window closes on the core once its stream has drained
         if self.is_core and self.rank == self.leader:
             m = 1
@@ -477,10 +482,9 @@ class CellRank(RankChecks):
         m = int(pending["m"])
         control = self._control(queue_idx)
         res = self._stream(control)
-        box = [res.tokens]
-        dist.broadcast_object_list(box, src=self.last, group=self.side_group)
+        tokens = self._tokens_from_last(res.tokens)
         self._pending = None
-        total = torch.tensor([float(pending["tokens"] + int(box[0]))], dtype=torch.float64)
+        total = torch.tensor([float(pending["tokens"] + tokens)], dtype=torch.float64)
         if m > 1:
             for buf in self.grad_buffers():
                 dist.all_reduce(buf, group=self.prefix[m])

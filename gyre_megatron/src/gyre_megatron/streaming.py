@@ -21,7 +21,6 @@ completed. Losses are per token (``calculate_per_token_loss``): no micro-batch c
 
 from __future__ import annotations
 
-import pickle
 import queue as queue_mod
 import time
 from collections import deque
@@ -31,33 +30,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gyre_megatron import compat
+from gyre_megatron import compat, wire
 
 __all__ = ["ControlChannel", "StreamResult", "run_streaming_1f1b"]
 
 Claim = Callable[[float], Any]
 """``claim(timeout)``: next item, ``None`` at end of stream, :class:`queue.Empty` if none yet."""
-
-
-def _to_wire(obj: Any) -> Any:
-    """Tensors as numpy arrays: pickling numpy is several times cheaper than torch's reducer."""
-    if isinstance(obj, torch.Tensor):
-        return ("__t", obj.detach().cpu().numpy())
-    if isinstance(obj, dict):
-        return {k: _to_wire(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_wire(v) for v in obj)
-    return obj
-
-
-def _from_wire(obj: Any) -> Any:
-    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__t":
-        return torch.from_numpy(obj[1])
-    if isinstance(obj, dict):
-        return {k: _from_wire(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_from_wire(v) for v in obj)
-    return obj
 
 
 class ControlChannel:
@@ -87,7 +65,7 @@ class ControlChannel:
             # before the next one (its frame is kept alive until then), which takes the
             # control channel off the pipeline's critical path.
             self.flush()
-            data = pickle.dumps(_to_wire(msg), protocol=pickle.HIGHEST_PROTOCOL)
+            data = wire.pack(msg)  # the control plane's allow-listed format: no pickle between ranks
             frame = torch.zeros(self.FRAME + 8, dtype=torch.uint8)
             frame[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
             head = data[: self.FRAME]
@@ -109,7 +87,7 @@ class ControlChannel:
             rest = torch.zeros(n - self.FRAME, dtype=torch.uint8)
             dist.broadcast(rest, src=self.leader, group=self.group)
             payload = frame[8:].numpy().tobytes() + rest.numpy().tobytes()
-        return _from_wire(pickle.loads(payload))
+        return wire.unpack(payload)
 
     def flush(self) -> None:
         """Leader: wait until the last message has left (before reusing the group)."""

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["AuthenticationFailed", "FrameTooLarge", "WireError", "client_handshake", "decode", "encode",
-           "read_frame", "server_handshake", "wire_types", "write_frame"]
+__all__ = ["AuthenticationFailed", "FrameTooLarge", "WireError", "client_handshake", "decode", "encode", "pack",
+           "read_frame", "server_handshake", "unpack", "wire_types", "write_frame"]
 
 MAGIC = b"GYRE-CONTROL/1\n"
 NONCE_BYTES = 32
@@ -252,14 +252,20 @@ _FRAME = struct.Struct(">Q")
 _HEAD = struct.Struct(">II")
 
 
-def write_frame(sock: socket.socket, obj: Any) -> None:
-    """One frame: total length, then header length and attachment count, the header, each
-    attachment with its length. Encoded fully before anything is sent."""
+def pack(obj: Any) -> bytes:
+    """``obj`` as one frame body: header length and attachment count, the header, each
+    attachment with its length (what :func:`write_frame` sends and the ranks' control broadcasts
+    carry)."""
     head, atts = encode(obj)
     parts = [_HEAD.pack(len(head), len(atts)), head]
     for a in atts:
         parts += [_FRAME.pack(len(a)), a]
-    body = b"".join(parts)
+    return b"".join(parts)
+
+
+def write_frame(sock: socket.socket, obj: Any) -> None:
+    """One frame: total length, then the body (:func:`pack`). Encoded fully before anything is sent."""
+    body = pack(obj)
     sock.sendall(_FRAME.pack(len(body)) + body)
 
 
@@ -268,9 +274,14 @@ def read_frame(sock: socket.socket, max_bytes: int) -> Any:
     (n,) = _FRAME.unpack(recv_exactly(sock, _FRAME.size))
     if n > max_bytes:
         raise FrameTooLarge(f"a frame of {n} bytes (the limit is {max_bytes})")
+    return unpack(recv_exactly(sock, n))
+
+
+def unpack(body: bytes) -> Any:
+    """The value of one frame body (:func:`pack`); :class:`WireError` for anything malformed."""
+    n = len(body)
     if n < _HEAD.size:
         raise WireError("frame too short")
-    body = recv_exactly(sock, n)
     hlen, count = _HEAD.unpack_from(body)
     pos = _HEAD.size + hlen
     if pos > n or count > n:

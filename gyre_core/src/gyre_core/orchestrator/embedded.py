@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -181,6 +182,7 @@ def run_live(
     else:
         replay = None
     out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)  # trajectories, the journal, keys: the run's user only (no harness's uid)
     engines: list[Any] = []
     t0 = time.monotonic()
     observers: list[Any] = []
@@ -340,8 +342,12 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         sock_dir = Path(tempfile.mkdtemp(prefix="gyre-proxy-"))
         sock = str(sock_dir / "proxy.sock")
         sock_server, sock_task, _ = await _serve_proxy(app, cfg.proxy.host, 0, uds=sock)
+        # the sandboxes' user (not the run's) connects: the folder holds nothing else, and the proxy
+        # asks every call for its execution's own key
+        os.chmod(sock_dir, 0o711)
+        os.chmod(sock, 0o666)
         hide = [str(out.resolve())] + [str(Path(p).resolve()) for p in (cfg.cluster.key_file, cfg.model.dir) if p]
-        sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port).as_extra()
+        sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port, tuple(cfg.harness.sandbox_expose)).as_extra()
     say(f"proxy on {proxy_url}; running {cfg.run.steps} step(s) in {cfg.scheduler.mode.value} mode")
     try:
         journal = Journal(out / JOURNAL, fresh=replay is None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -62,21 +63,45 @@ def classify_end(harness: str, code: int, log_path: str | None = None) -> str:
     return "failed"
 
 
+CLI_RESULT_TAIL_BYTES = 1 << 20
+"""How much of the end of a harness log :func:`_has_cli_result` reads: the CLI's final ``result``
+object is its last JSON line, and the log (written by the harness) may be of any size."""
+
+
 def _has_cli_result(log_path: str | None) -> bool:
+    """Whether the log ends with the CLI's ``result`` object, reading only its last
+    :data:`CLI_RESULT_TAIL_BYTES`. The harness writes (and may replace) its log, so a symlink (not
+    followed), a FIFO (opened without blocking) or anything but a regular file is no report: the
+    run counts as crashed, which is never a zero."""
     if not log_path:
         return False
     import json
 
     try:
-        lines = Path(log_path).read_text(errors="replace").splitlines()
+        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        # one byte before the window tells whether its first line starts there or is cut
+        start = max(0, st.st_size - CLI_RESULT_TAIL_BYTES - 1)
+        tail = os.pread(fd, CLI_RESULT_TAIL_BYTES + 1, start)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if start > 0:
+        nl = tail.find(b"\n")
+        tail = tail[nl + 1:] if nl >= 0 else b""  # drop the line the window cuts
+    lines = tail.decode(errors="replace").splitlines()
     for line in reversed(lines):
         line = line.strip()
         if line.startswith("{"):
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: brackets nested past the parser's depth
                 continue
             if isinstance(obj, dict) and obj.get("type") == "result":
                 return True
@@ -86,12 +111,13 @@ def _has_cli_result(log_path: str | None) -> bool:
 class SubprocessHarness:
     """A :class:`~gyre_core.interfaces.HarnessHandle` over a process group."""
 
-    def __init__(self, argv: Sequence[str], cwd: str, env: dict[str, str], log_path: str | None = None) -> None:
+    def __init__(self, argv: Sequence[str], cwd: str, env: dict[str, str], log_path: str | None = None,
+                 pass_fds: Sequence[int] = ()) -> None:
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         preexec_fn=die_with_parent, pass_fds=tuple(pass_fds))
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
@@ -195,12 +221,16 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
         env.update({"CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_MODEL": env["GYRE_MODEL"],
                     "ANTHROPIC_SMALL_FAST_MODEL": env["GYRE_MODEL"], "DISABLE_TELEMETRY": "1",
                     "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
+    pass_fds: tuple[int, ...] = ()
     if spec.extra.get("sandbox"):
-        from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
+        from gyre_core.orchestrator.sandbox import SandboxSpec, prepare_dirs, wrap
 
-        argv = wrap(argv, SandboxSpec.from_extra(spec.extra["sandbox"]), str(workdir.resolve()), str(home.resolve()))
         (home / "tmp").mkdir(exist_ok=True)
-        env["TMPDIR"] = str((home / "tmp").resolve())  # the host's /tmp is read-only in the sandbox
-    handle = SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"))
+        prepare_dirs(workdir, home, home / "tmp")  # the sandbox's own user writes them
+        launch = wrap(argv, SandboxSpec.from_extra(spec.extra["sandbox"]), str(workdir.resolve()), str(home.resolve()))
+        argv, pass_fds = launch.argv, launch.pass_fds
+        env["TMPDIR"] = str((home / "tmp").resolve())  # the sandbox's /tmp is empty and its own
+    handle = SubprocessHarness(argv, str(workdir), env, log_path=str(workdir.parent / f"{workdir.name}.log"),
+                               pass_fds=pass_fds)
     handle.harness = spec.harness
     return handle

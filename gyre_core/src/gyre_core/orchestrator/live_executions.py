@@ -180,7 +180,7 @@ class ExecutionsMixin:
         ex = self._execs[eid]
         spec = ex.spec
         assert spec is not None
-        timeout = max(1.0, min(60.0, spec.overall_budget_s / 4))
+        timeout = self.cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, spec.overall_budget_s / 4))
 
         def evaluator(state: StateRef) -> Assessment | None:
             return self.pm.hook.gyre_evaluate(spec=spec, state=state)

@@ -71,9 +71,15 @@ class HarnessSection:
     """Harness timeout: past it the harness is killed and its workspace assessed and used."""
     overall_budget_s: float = 420.0
     """Overall budget of an execution incl. evaluation retries: past it it is discarded."""
+    evaluator_timeout_s: float = 0.0
+    """Bound on one evaluator attempt (a hung one is unresolved and retried within the budget);
+    0: a quarter of ``overall_budget_s``, between 1 and 60 s."""
     sandbox: str = "bwrap"
     """``bwrap``: each harness in its own bubblewrap sandbox (own /proc, run folder hidden, network
     only to the proxy); ``none``: unsandboxed, explicitly."""
+    sandbox_expose: list[str] = field(default_factory=list)
+    """Host paths a sandboxed harness may read besides the Python environment and the files its
+    command names (e.g. a tool's folder under a home that the sandbox empties)."""
     claude_bin: str = "claude"
     """The Claude Code executable (``harness.kind = "claude-code"``)."""
     args: list[str] = field(default_factory=list)
@@ -272,6 +278,7 @@ class RunConfig:
         need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
         need(self.harness.sandbox in ("bwrap", "none"), "harness.sandbox", "must be \"bwrap\" or \"none\"")
+        need(self.harness.evaluator_timeout_s >= 0, "harness.evaluator_timeout_s", "must be ≥ 0 (0: automatic)")
         need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",
              "must be > 0 and ≤ harness.overall_budget_s")
         need(self.task.name == "number-guess" or self.harness.kind != "number-guess", "task.name",

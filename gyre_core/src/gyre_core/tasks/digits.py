@@ -6,6 +6,8 @@ an empty reply -- the harness ran to its end and the policy said nothing, a real
 tiny model starts well above zero (its vocabulary has digit tokens) with a spread across
 executions, so group-relative advantages carry signal from the first step. Played by the
 ``reply`` harness (:mod:`.reply_harness`), which writes the policy's reply to ``reply.txt``.
+A ``reply.txt`` that is not a regular file (a FIFO, a symlink) or is over :data:`REPLY_LIMIT_BYTES`
+counts as no reply, *unresolved* like a missing one (:mod:`.workspace_files`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.tasks.workspace_files import read_workspace_file
 
-__all__ = ["REPLY_FILE", "TASK_NAME", "DigitsInstance", "score_reply", "score_workspace"]
+__all__ = ["REPLY_FILE", "REPLY_LIMIT_BYTES", "TASK_NAME", "DigitsInstance", "score_reply", "score_workspace"]
 
 TASK_NAME = "digits"
 REPLY_FILE = "reply.txt"
+REPLY_LIMIT_BYTES = 16 << 20
+"""Above any reply a policy can sample in one completion (millions of tokens' worth of text): a
+larger file did not come from the policy, and is never read whole."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,9 @@ def score_reply(text: str) -> float:
 
 
 def score_workspace(workdir: str | Path) -> tuple[float, str]:
-    """``(reward, detail)``; raises ``OSError`` when there is no reply to assess."""
-    text = (Path(workdir) / REPLY_FILE).read_text(errors="replace")
+    """``(reward, detail)``; raises ``OSError`` when there is no reply to assess (missing, not a
+    regular file, over the limit) or the workspace cannot be read."""
+    text = read_workspace_file(workdir, REPLY_FILE, REPLY_LIMIT_BYTES, errors="replace")
     return score_reply(text), f"{len(text)} characters"
 
 

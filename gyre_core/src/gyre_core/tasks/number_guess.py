@@ -7,7 +7,9 @@ model gets its turns. After the last turn the harness writes ``answer.json`` (th
 the transcript of what was asked) into its working directory; the evaluator scores that file:
 ``1 - |guess - secret| / span``, and ``0`` for a run that made no guess at all. The secret is
 given to the harness (it plays the environment) and kept in the execution's record; it is never
-put in the model's context.
+put in the model's context. An ``answer.json`` that is not a regular file (a FIFO, a symlink) or is
+over :data:`ANSWER_LIMIT_BYTES` counts as no answer, *unresolved* like a missing one
+(:mod:`.workspace_files`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.tasks.workspace_files import read_workspace_file
 
-__all__ = ["TASK_NAME", "NumberGuessInstance", "make_instance", "score_workspace"]
+__all__ = ["ANSWER_LIMIT_BYTES", "TASK_NAME", "NumberGuessInstance", "make_instance", "score_workspace"]
 
 TASK_NAME = "number-guess"
 ANSWER_FILE = "answer.json"
+ANSWER_LIMIT_BYTES = 1 << 20
+"""Far above the harness's answer (a guess, a few integers): a larger file is no answer, and is never
+read whole."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,15 @@ def make_instance(group_id: int, seed: int = 0, turns: int = 3) -> NumberGuessIn
 
 
 def score_workspace(workdir: str | Path, secret: int, low: int = 0, high: int = 99) -> tuple[float, str]:
-    """Score of the answer file in ``workdir``; raises ``FileNotFoundError``/``ValueError`` when the
-    file is missing or malformed (the evaluator then reports *unresolved*, never a zero)."""
-    data = json.loads((Path(workdir) / ANSWER_FILE).read_text())
+    """Score of the answer file in ``workdir``; raises ``OSError``/``ValueError`` when the file is
+    missing, not a regular file, over the limit or malformed (the evaluator then reports
+    *unresolved*, never a zero)."""
+    try:
+        data = json.loads(read_workspace_file(workdir, ANSWER_FILE, ANSWER_LIMIT_BYTES))
+    except RecursionError:  # deeply nested brackets: malformed, and must not escape the evaluator
+        raise ValueError(f"{ANSWER_FILE} nests too deeply") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{ANSWER_FILE} must hold a JSON object, got {type(data).__name__}")
     guess = data.get("final_guess")
     if guess is None:
         return 0.0, "no guess made"

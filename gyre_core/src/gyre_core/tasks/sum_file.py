@@ -6,7 +6,9 @@ evaluator reads the workspace the harness left: ``1`` when ``answer.txt`` holds 
 (surrounding whitespace ignored), ``0`` when it holds anything else or is absent -- the agent ran to
 its end and did not solve the task, which is a real result. A workspace that cannot be read, or a
 harness that crashed (a signal, the OOM killer, no final report) before writing the file, is
-*unresolved* (retried or excluded), never scored.
+*unresolved* (retried or excluded), never scored. An ``answer.txt`` that is not a regular file (a
+FIFO, a symlink) or is over :data:`ANSWER_LIMIT_BYTES` counts as no answer
+(:mod:`.workspace_files`): it is never opened through, nor read past the limit.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.tasks.workspace_files import WorkspaceFileRefused, read_workspace_file
 
-__all__ = ["TASK_NAME", "SumFileInstance", "make_instance", "score_workspace"]
+__all__ = ["ANSWER_LIMIT_BYTES", "TASK_NAME", "SumFileInstance", "make_instance", "score_answer", "score_workspace"]
 
 TASK_NAME = "sum-file"
 ANSWER_FILE = "answer.txt"
+ANSWER_LIMIT_BYTES = 1 << 20
+"""Far above any legitimate answer (a number): a larger file is no answer, and is never read whole."""
 
 
 @dataclass(frozen=True)
@@ -43,16 +48,20 @@ def make_instance(group_id: int, seed: int = 0) -> SumFileInstance:
     return SumFileInstance(rng.randint(10, 999), rng.randint(10, 999))
 
 
-def score_workspace(workdir: str | Path, expected: int) -> tuple[float, str]:
-    """``(reward, detail)``; raises ``OSError`` if the workspace itself cannot be read."""
-    root = Path(workdir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"workspace {root} is missing")
-    path = root / ANSWER_FILE
-    if not path.exists():
-        return 0.0, f"no {ANSWER_FILE}"
-    text = path.read_text(errors="replace").strip()
+def score_answer(text: str, expected: int) -> tuple[float, str]:
+    """``(reward, detail)`` of the text of ``answer.txt``."""
+    text = text.strip()
     return (1.0, "correct") if text == str(expected) else (0.0, f"wrote {text[:40]!r}, expected {expected}")
+
+
+def score_workspace(workdir: str | Path, expected: int) -> tuple[float, str]:
+    """``(reward, detail)``, ``0`` when there is no usable answer file; raises ``OSError`` if the
+    workspace itself cannot be read."""
+    try:
+        text = read_workspace_file(workdir, ANSWER_FILE, ANSWER_LIMIT_BYTES, errors="replace")
+    except WorkspaceFileRefused as e:
+        return 0.0, str(e)
+    return score_answer(text, expected)
 
 
 @hookimpl
@@ -65,12 +74,17 @@ def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
     if spec.extra.get("task") != TASK_NAME:
         return None
     try:
-        if spec.extra.get("harness_end") == "crashed" and not (Path(spec.workdir) / ANSWER_FILE).exists():
-            # the agent was stopped from outside (a signal, the OOM killer, a harness crash) before
-            # it answered: nothing to assess, and not the agent's failure -- never a zero
-            return Assessment.unresolved(state, f"harness crashed (exit {spec.extra.get('harness_exit')}) "
-                                                f"before writing {ANSWER_FILE}")
-        score, detail = score_workspace(spec.workdir, int(spec.extra["a"]) + int(spec.extra["b"]))
+        expected = int(spec.extra["a"]) + int(spec.extra["b"])
+        try:
+            text = read_workspace_file(spec.workdir, ANSWER_FILE, ANSWER_LIMIT_BYTES, errors="replace")
+        except WorkspaceFileRefused as e:
+            if spec.extra.get("harness_end") == "crashed":
+                # the agent was stopped from outside (a signal, the OOM killer, a harness crash)
+                # before it answered: nothing to assess, and not the agent's failure -- never a zero
+                return Assessment.unresolved(state, f"harness crashed (exit {spec.extra.get('harness_exit')}) "
+                                                    f"before writing {ANSWER_FILE}: {e}")
+            return Assessment.valid(0.0, state, str(e))  # it ran to its end and left no answer
+        score, detail = score_answer(text, expected)
     except (OSError, ValueError, KeyError) as e:
         return Assessment.unresolved(state, f"{type(e).__name__}: {e}")
     return Assessment.valid(score, state, detail)

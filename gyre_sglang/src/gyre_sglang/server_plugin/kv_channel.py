@@ -9,12 +9,20 @@ from the server's host and port, and polls it without blocking once per schedule
 ``ingest_requests`` hook), so every operation runs *between* batches, on the scheduler thread.
 When SGLang's idle sleeper is on, the socket is added to its poller so a request wakes it.
 
-Messages are JSON: ``{"op": name, ...}`` in, ``{"ok": true, ...}`` or ``{"ok": false, "error": msg}``
-out. Handlers are plain functions ``(scheduler, message) -> dict`` registered with :func:`op`.
+Messages are JSON: ``{"op": name, "key": K, ...}`` in, ``{"ok": true, ...}`` or ``{"ok": false,
+"error": msg}`` out. Handlers are plain functions ``(scheduler, message) -> dict`` registered with
+:func:`op`.
+
+Who may talk to it: only the engine's own processes. The socket lives in the server's ``TMPDIR``
+(a private 0700 folder Gyre gives each server), and every message must carry the server's API key
+(``server_args.api_key``), compared in constant time; a message without it is refused before any
+handler runs. Without the key, the channel would hand out another execution's token ids
+(``kv_handle``), release its pins or import KV under chosen tokens, bypassing the engine's key.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -62,6 +70,7 @@ class SchedulerEndpoint:
         import zmq
 
         args = scheduler.server_args
+        self.key: str | None = getattr(args, "api_key", None)
         self.address = ipc_path(args.host, int(args.port))
         path = self.address[len("ipc://"):]
         if os.path.exists(path):
@@ -92,13 +101,22 @@ class SchedulerEndpoint:
             except self._zmq.Again:
                 return
             ident, body = frames[0], frames[-1]
-            reply = _dispatch(scheduler, body)
+            reply = _dispatch(scheduler, body, self.key)
             self.sock.send_multipart([ident, b"", json.dumps(reply).encode()])
 
 
-def _dispatch(scheduler: Any, body: bytes) -> dict[str, Any]:
+def authorised(msg: Any, key: str | None) -> bool:
+    """The message carries the server's key (an engine without a key serves no channel op)."""
+    given = msg.get("key") if isinstance(msg, dict) else None
+    return bool(key) and isinstance(given, str) and hmac.compare_digest(given.encode(), str(key).encode())
+
+
+def _dispatch(scheduler: Any, body: bytes, key: str | None) -> dict[str, Any]:
     try:
         msg = json.loads(body)
+        if not authorised(msg, key):
+            return {"ok": False, "error": "refused: the message does not carry the engine's key"}
+        msg.pop("key", None)
         handler = _HANDLERS.get(msg.get("op", ""))
         if handler is None:
             return {"ok": False, "error": f"unknown op {msg.get('op')!r}; known: {sorted(_HANDLERS)}"}
@@ -148,8 +166,10 @@ def install_scheduler_hook() -> None:
     _installed = True
 
 
-async def call(host: str, port: int, message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """Send one message to the scheduler of ``host:port`` and wait for its reply (HTTP process side)."""
+async def call(host: str, port: int, message: dict[str, Any], timeout: float = 30.0, *,
+               key: str | None = None) -> dict[str, Any]:
+    """Send one message to the scheduler of ``host:port`` and wait for its reply (HTTP process
+    side); ``key`` is the server's API key, which the scheduler requires."""
     import asyncio
 
     import zmq
@@ -160,7 +180,7 @@ async def call(host: str, port: int, message: dict[str, Any], timeout: float = 3
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(ipc_path(host, port))
-        await sock.send_multipart([b"", json.dumps(message).encode()])
+        await sock.send_multipart([b"", json.dumps({**message, "key": key}).encode()])
         t0 = time.monotonic()
         try:
             frames = await asyncio.wait_for(sock.recv_multipart(), timeout)

@@ -596,16 +596,16 @@ def _op_import_poll(s: Any, msg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _server_addr() -> tuple[str, int]:
+def _server_addr() -> tuple[str, int, str | None]:
     from sglang.srt.entrypoints import http_server
 
     sa = http_server._global_state.tokenizer_manager.server_args
-    return sa.host, int(sa.port)
+    return sa.host, int(sa.port), getattr(sa, "api_key", None)
 
 
 async def _sched(message: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    host, port = _server_addr()
-    return await kv_channel.call(host, port, message, timeout=timeout)
+    host, port, key = _server_addr()
+    return await kv_channel.call(host, port, message, timeout=timeout, key=key)
 
 
 def _error(status: int, message: str) -> Any:
