@@ -379,3 +379,29 @@ def test_creation_refuses_unbounded_ids_and_bad_sampling(renderer: ChatRenderer,
         svc.create_execution(eid, sampling=sampling)
     assert e.value.status == 400 and says in str(e.value)
     assert svc.create_execution()[0] == 0  # nothing was registered: the next automatic id is 0
+
+
+def test_one_executions_burst_of_large_requests_does_not_stall_the_others(renderer: ChatRenderer) -> None:
+    """Execution 1 sends 20 calls at once whose preparation is slow (a large body); execution 2's
+    one call is prepared after at most one of them, not after all 20."""
+    import time as _time
+
+    svc, _ = make(renderer)
+    order: list[str] = []
+
+    def slow_prepare(request: ChatRequest) -> str:
+        _time.sleep(0.03)
+        order.append(request.execution_id)
+        return request.execution_id
+
+    svc.prepare = slow_prepare  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        burst = [asyncio.ensure_future(svc.prepare_async(req(1, [ChatMessage("user", "x")]))) for _ in range(20)]
+        await asyncio.sleep(0.005)  # the burst is queued first
+        await svc.prepare_async(req(2, [ChatMessage("user", "y")]))
+        await asyncio.gather(*burst)
+
+    run(scenario())
+    assert len(order) == 21 and order.index("2") <= 2, order
+    assert svc._prepare_turns == {}  # nothing kept once every call is through

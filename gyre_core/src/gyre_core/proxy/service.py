@@ -273,6 +273,8 @@ class ProxyService:
                        "verified": 0, "verify_mismatches": 0, "verify_other_node": 0,
                        "continuation_fallbacks": 0}
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-prepare")
+        self._prepare_turns: dict[str, list[Any]] = {}
+        """Per credential: ``[lock, callers]``, so one execution has one call in the worker's queue."""
         self.handoffs = HandOffs()
         self.call_stats = CallStats()  # engine throughput and proxy latency, drained per step
         """Interrupted calls: KV hand-offs, continuations, re-prefills (the run summary's figures)."""
@@ -412,8 +414,23 @@ class ProxyService:
         return await self.execute(await self.prepare_async(request))
 
     async def prepare_async(self, request: ChatRequest) -> "PreparedCall":
-        """:meth:`prepare` in the proxy's worker thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, request)
+        """:meth:`prepare` in the proxy's worker thread, off the event loop.
+
+        Fair between executions: each has at most one call waiting for (or in) the worker, so an
+        execution that sends many large requests at once queues behind itself, and every other
+        execution's call waits for at most one preparation per execution ahead of it."""
+        key = request.execution_id
+        turn = self._prepare_turns.get(key)
+        if turn is None:
+            turn = self._prepare_turns[key] = [asyncio.Lock(), 0]
+        turn[1] += 1
+        try:
+            async with turn[0]:
+                return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self.prepare, request)
+        finally:
+            turn[1] -= 1
+            if turn[1] == 0:
+                self._prepare_turns.pop(key, None)
 
     def prepare(self, request: ChatRequest) -> "PreparedCall":
         """Everything before the engine call: checks, payload restoration, rendering, matching,
