@@ -89,8 +89,10 @@ def test_malformed_nodes_and_trees_are_refused() -> None:
         TreeNode(0, None, torch.arange(3), torch.tensor([0, 1]), torch.zeros(3))
     with pytest.raises(ValueError, match="provenance"):
         TreeNode(0, None, torch.arange(2), torch.tensor([0, 7]), torch.zeros(2))
-    with pytest.raises(ValueError, match="finite"):
-        TreeNode(0, None, torch.arange(2), torch.tensor([0, 1]), torch.tensor([0.0, float("-inf")]))
+    with pytest.raises(ValueError, match="finite"):  # a token we did not sample has no log-prob to be off
+        TreeNode(0, None, torch.arange(2), torch.tensor([0, 1]), torch.tensor([float("-inf"), -1.0]))
+    # a sampled token keeps what the engine returned (it is then no target: TrajectoryRow.from_tree)
+    TreeNode(0, None, torch.arange(2), torch.tensor([0, 1]), torch.tensor([0.0, float("-inf")]))
     tree = TrajectoryTree(1, [node(0, None, [E, S])])
     with pytest.raises(ValueError, match="unknown parent"):
         tree.add(node(5, 4, [E]))

@@ -97,7 +97,9 @@ class TreeNode:
             raise ValueError(f"{where}: negative token id")
         if not bool(torch.isin(prov, torch.tensor([int(p) for p in Provenance], dtype=torch.int8)).all()):
             raise ValueError(f"{where}: unknown provenance value")
-        if not bool(torch.isfinite(lp).all()):
+        # a sampled token keeps whatever log-prob the engine returned, NaN or -inf included (the
+        # record is what happened; TrajectoryRow.from_tree leaves such a token out of the targets)
+        if not bool(torch.isfinite(lp[prov != Provenance.SAMPLED]).all()):
             raise ValueError(f"{where}: log-probs must be finite (0.0 where not sampled)")
         if bool((lp[prov == Provenance.SAMPLED] > 0).any()):
             raise ValueError(f"{where}: a sampled token's log-prob is > 0")
@@ -195,6 +197,8 @@ class TrajectoryRow:
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     response_ids: torch.Tensor
+    masked_nonfinite: int = 0
+    """Sampled tokens left out of the targets because their recorded log-prob was not finite."""
 
     def __post_init__(self) -> None:
         tok = _as_1d("token_ids", self.token_ids, torch.int64)
@@ -248,12 +252,19 @@ class TrajectoryRow:
         sampled = torch.cat([n.provenance for n in path]) == Provenance.SAMPLED
         owned = torch.tensor([n.node_id in selected.targets for n in path])
         node_ids = torch.repeat_interleave(torch.tensor([n.node_id for n in path]), lengths)
+        logprobs = torch.cat([n.logprobs for n in path])
+        # A sampled token whose recorded log-prob is NaN or infinite (an engine's numerical
+        # failure) has no behaviour probability to correct by: it stays in the row as context,
+        # is not a target, and is counted. The record keeps what the engine returned.
+        finite = torch.isfinite(logprobs)
+        targets = sampled & torch.repeat_interleave(owned, lengths)
         return cls(
             execution_id=tree.execution_id,
             group_id=group_id,
             role=selected.role,
             token_ids=torch.cat([n.token_ids for n in path]),
-            loss_mask=sampled & torch.repeat_interleave(owned, lengths),
-            behaviour_logprobs=torch.cat([n.logprobs for n in path]),
+            loss_mask=targets & finite,
+            behaviour_logprobs=torch.where(finite, logprobs, torch.zeros_like(logprobs)),
             response_ids=torch.where(sampled, node_ids, NO_RESPONSE),
+            masked_nonfinite=int((targets & ~finite).sum()),
         )

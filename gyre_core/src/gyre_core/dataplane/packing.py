@@ -238,6 +238,8 @@ class StreamPackingBuffer:
         self.micro_steps = 0
         self.tokens_emitted = 0
         self.split_executions = 0
+        self.masked_nonfinite = 0
+        """Sampled tokens not trained because their recorded log-prob was not finite."""
         """Executions whose rows did not fit one pack together (their ratio is per pack)."""
         self._trajectories = trajectories
         self._queue = queue
@@ -282,6 +284,7 @@ class StreamPackingBuffer:
             self._pulls = max(0, self._pulls - 1)
             units, split = _units(rows, self.config.token_budget, self.config.whole_executions)
             self.split_executions += split
+            self.masked_nonfinite += sum(r.row.masked_nonfinite for r in rows)
             for u in units:
                 self._pool.add(u)
             self._emit(final=False)

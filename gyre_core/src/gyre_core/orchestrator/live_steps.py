@@ -181,6 +181,8 @@ class StepsMixin:
                # every token the trainer read (contexts and replies; ``tokens`` counts the sampled ones)
                "row_tokens": st.packing.tokens_emitted,
                "split_executions": st.packing.split_executions,
+               # sampled tokens whose recorded log-prob was NaN or infinite: context, not targets
+               "masked_nonfinite_tokens": st.packing.masked_nonfinite,
                "joins": _joins([(c, infos[c]) for c in sorted(infos) if c]),
                # satellites the scheduler sent into the step while it was already training
                "joined_running": [{"cell": c, "at_s": round(t, 3), "after_s": round(t - st.started, 3),

@@ -5,7 +5,8 @@ template opened the block in the prompt). Tool calls are ``<tool_call>`` blocks 
 ``{"name": ..., "arguments": {...}}``; each gets a fresh call id and keeps the *exact* arguments
 text the model sampled, which is what goes into the payload cache. A block that is not valid JSON
 with a string ``name`` and an object ``arguments`` stays in the visible text: the harness sees
-what the model wrote, nothing is invented.
+what the model wrote, nothing is invented. Valid means strict JSON that an API answer can carry:
+no ``NaN``/``Infinity`` and no escaped lone surrogate (a policy under RL does emit them).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from gyre_core.proxy.types import ToolCall
 
@@ -21,7 +23,25 @@ __all__ = ["ParsedOutput", "new_call_id", "parse_output"]
 
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ARGS_KEY = re.compile(r'"arguments"\s*:\s*')
-_DECODER = json.JSONDecoder()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+"""Strict JSON: ``NaN`` and ``Infinity`` (which Python's decoder accepts) make a block invalid."""
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """A ``\\ud800``-style escape decodes to a lone surrogate, which no UTF-8 answer can carry."""
+    if isinstance(obj, str):
+        return any("\ud800" <= ch <= "\udfff" for ch in obj)
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
 
 
 @dataclass(frozen=True)
@@ -45,7 +65,7 @@ def _raw_arguments(block: str) -> str | None:
     if block.strip()[end:].strip() or not isinstance(obj, dict):
         return None
     name, args = obj.get("name"), obj.get("arguments")
-    if not isinstance(name, str) or not name or not isinstance(args, dict):
+    if not isinstance(name, str) or not name or not isinstance(args, dict) or _has_lone_surrogate(obj):
         return None
     stripped = block.strip()
     # the *last* top-level "arguments" key is the one json.loads kept; scan candidates from the end
@@ -75,7 +95,7 @@ def parse_output(text: str, *, eos_text: str = "", call_id_prefix: str = "call_"
         raw = _raw_arguments(m.group(1))
         if raw is None:
             continue
-        name = json.loads(m.group(1))["name"]
+        name = _DECODER.decode(m.group(1).strip())["name"]
         calls.append(ToolCall(id=new_call_id(call_id_prefix), name=name, arguments=raw))
         kept.append(text[last:m.start()])
         last = m.end()

@@ -19,7 +19,7 @@ from gyre_core.proxy.context_index import ContextIndex, Match
 from gyre_core.proxy.payloads import ToolPayloadCache
 from gyre_core.trajectory import Provenance, TrajectoryTree, TreeNode
 
-__all__ = ["CallRecord", "ExecutionRecords"]
+__all__ = ["CallRecord", "ExecutionRecords", "json_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class CallRecord:
             "input_len": self.input_len,
             "new_input_ids": list(self.new_input_ids),
             "output_ids": list(self.output_ids),
-            "logprobs": list(self.logprobs),
+            "logprobs": json_logprobs(self.logprobs),
             "output_provenance": self.output_provenance.name,
             "finish_reason": self.finish_reason,
             "engine": self.engine,
@@ -165,7 +165,7 @@ class ExecutionRecords:
                     "parent": n.parent,
                     "token_ids": n.token_ids.tolist(),
                     "provenance": n.provenance.tolist(),
-                    "logprobs": n.logprobs.tolist(),
+                    "logprobs": json_logprobs(n.logprobs.tolist()),
                     "metadata": dict(n.metadata),
                 }
                 for n in self.tree
@@ -173,7 +173,8 @@ class ExecutionRecords:
         }
 
 
-def finite_or_zero(values: Sequence[float]) -> bool:
-    """True when every value is a usable log-prob (finite)."""
-    return all(math.isfinite(v) for v in values)
+def json_logprobs(values: Sequence[float]) -> list[float | None]:
+    """Log-probs for a JSON answer: a NaN or infinite one (an engine's numerical failure, kept in
+    the record as returned) becomes ``null``, since JSON has no such numbers."""
+    return [float(v) if math.isfinite(v) else None for v in values]
 
