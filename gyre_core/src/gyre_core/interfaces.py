@@ -104,6 +104,11 @@ class Assessment:
     state: StateRef
     detail: str = ""
     """Free text for logs (evaluator output, failure reason); never parsed by the core."""
+    despite_infrastructure_errors: bool = False
+    """The evaluator vouches that this score stands although the execution was answered with
+    infrastructure errors (``ExecutionSpec.extra["infrastructure_errors"]``: the proxy's 5xx
+    answers). Without it, a valid score of such an execution is not taken: the run cannot tell
+    the policy's failure from Gyre's, and only the task may decide a zero."""
 
     def __post_init__(self) -> None:
         if self.validity is Validity.VALID:
@@ -116,8 +121,9 @@ class Assessment:
             raise TypeError(f"validity must be a Validity, got {self.validity!r}")
 
     @classmethod
-    def valid(cls, score: float, state: StateRef, detail: str = "") -> Assessment:
-        return cls(float(score), Validity.VALID, state, detail)
+    def valid(cls, score: float, state: StateRef, detail: str = "", *,
+              despite_infrastructure_errors: bool = False) -> Assessment:
+        return cls(float(score), Validity.VALID, state, detail, despite_infrastructure_errors)
 
     @classmethod
     def unresolved(cls, state: StateRef, detail: str = "") -> Assessment:

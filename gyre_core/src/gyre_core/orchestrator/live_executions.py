@@ -46,6 +46,22 @@ class _Execution:
     """``{"code", "end"}`` when the harness exited non-zero (``end``: failed or crashed)."""
     why: str = ""
     """Why a finished execution was not trained (its fate's cause, counted in the summary)."""
+    infra_errors: list[dict[str, Any]] | None = None
+    """The proxy's 5xx answers to it (taken as it ended): Gyre's failures, not its policy's."""
+
+
+INFRA_DETAIL = "infrastructure error"
+
+
+def infra_verdict(got: Assessment | None, errors: Sequence[Mapping[str, Any]] | None) -> Assessment | None:
+    """The assessment to take for an execution the proxy answered with ``errors`` (5xx): a valid
+    score stands only if the evaluator vouches for it despite them; otherwise it is unresolved
+    (the harness may have ended *because* Gyre failed it, and only the task decides a zero)."""
+    if not errors or got is None or got.score is None or got.despite_infrastructure_errors:
+        return got
+    last = errors[-1]
+    return Assessment.unresolved(got.state, f"{INFRA_DETAIL}: the proxy answered {len(errors)} call(s) with "
+                                            f"{last.get('status')} ({last.get('kind')}: {str(last.get('message'))[:120]})")
 
 
 def exclusion_cause(assessments: Sequence[Assessment], harness_crashed: bool) -> str:
@@ -54,6 +70,8 @@ def exclusion_cause(assessments: Sequence[Assessment], harness_crashed: bool) ->
     unresolved, or the budget ended before any attempt could start."""
     if harness_crashed:
         return "harness crashed"
+    if assessments and assessments[-1].detail.startswith(INFRA_DETAIL):
+        return "infrastructure error"
     if not assessments:
         return "budget spent before any assessment"
     detail = assessments[-1].detail
@@ -154,6 +172,7 @@ class ExecutionsMixin:
     async def _ended(self, eid: int, outcome: Outcome) -> None:
         ex = self._execs[eid]
         ex.outcome, ex.fate = outcome, "ended"
+        ex.infra_errors = self.proxy.infrastructure_errors(eid) or None
         self.proxy.close_execution(eid)
         if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
             # Its token records live only in this process: journal them *before* its end, so a
@@ -180,6 +199,8 @@ class ExecutionsMixin:
         ex = self._execs[eid]
         spec = ex.spec
         assert spec is not None
+        if ex.infra_errors:  # the evaluator learns what Gyre answered: it may vouch for its score
+            spec = ex.spec = replace(spec, extra={**spec.extra, "infrastructure_errors": list(ex.infra_errors)})
         timeout = self.cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, spec.overall_budget_s / 4))
 
         def evaluator(state: StateRef) -> Assessment | None:
@@ -200,8 +221,10 @@ class ExecutionsMixin:
                 self._emit(answer)
                 return
             crashed = bool(ex.harness_exit and ex.harness_exit.get("end") == "crashed")
-            if not answer.final and crashed:
-                # nothing the crashed harness left can be assessed, and a retry would read the same
+            last = self.ledger.assessments(eid)[-1:]
+            infra = bool(last) and last[0].detail.startswith(INFRA_DETAIL)
+            # nothing a retry could change: the harness left nothing, or Gyre failed the execution
+            if not answer.final and (crashed or infra):
                 answer = self.ledger.exclude(eid)
             if answer.final:
                 ex.fate, ex.why = "excluded", exclusion_cause(self.ledger.assessments(eid), crashed)
@@ -232,6 +255,7 @@ class ExecutionsMixin:
             got = Assessment.unresolved(state, f"evaluator gave no answer within {bound:.1f} s")
         except Exception as exc:  # a crashing evaluator: unresolved, retried within the budget
             got = Assessment.unresolved(state, f"evaluator raised {exc!r}")
+        got = infra_verdict(got, self._execs[eid].infra_errors)
         answer = self.ledger.evaluate(eid, lambda s: got, started)
         if isinstance(answer, ev.EvaluationUnresolved) and not answer.final and self.now() >= deadline:
             answer = self.ledger.evaluate(eid, evaluator, self.now())  # budget spent: excluded

@@ -152,6 +152,10 @@ class _Execution:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held while a call of this execution is prepared (worker thread) or recorded (event loop)."""
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    """Every infrastructure error (5xx) this execution was answered with: Gyre's failures, not
+    the policy's, so its outcome cannot be taken as the task's verdict (see
+    :meth:`ProxyService.infrastructure_errors`)."""
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,12 @@ class ProxyService:
         self._by_key.pop(ex.key_hash, None)
         self.router.release(execution_id)
 
+    def infrastructure_errors(self, execution_id: int) -> list[dict[str, Any]]:
+        """The 5xx answers the execution got (no engine available, interrupted too often, an
+        engine refusing the call), oldest first. A harness that finishes after one of them may
+        still report a result, but that result is not the task's verdict on the policy."""
+        return list(self._get(execution_id).errors)
+
     def forget(self, execution_id: int) -> None:
         self.close_execution(execution_id)
         del self._executions[execution_id]
@@ -500,7 +510,13 @@ class ProxyService:
         if ex is None or ex.closed:
             raise ProxyError(401, "authentication", "unknown or closed execution")
         rec = ex.records
-        result, engine_url, attempts, engine_s, engines = await self._generate(eid, input_ids, params)
+        try:
+            result, engine_url, attempts, engine_s, engines = await self._generate(eid, input_ids, params)
+        except ProxyError as err:
+            if err.status >= 500:  # recorded with the execution: Gyre failed it, not its policy
+                ex.errors.append({"status": err.status, "kind": err.kind, "message": err.message[:300],
+                                  "at": round(time.time(), 3), "call_id": call.call_id})
+            raise
         if ex.closed:
             raise ProxyError(401, "authentication", "execution closed while the call ran")
 
