@@ -47,9 +47,9 @@ def test_documented_presets_validate(path: Path, tmp_path: Path) -> None:
 def test_flags_override_the_file(tmp_path: Path) -> None:
     f = tmp_path / "run.toml"
     f.write_text("[scheduler]\ncells = 3\n[run]\nsteps = 5\n")
-    cfg = load_run_config(f, {"run.steps": "7", "sampling.temperature": "0.5", "serving.extra_args": '["--tp", "2"]'})
+    cfg = load_run_config(f, {"run.steps": "7", "sampling.max_new_tokens": "40", "serving.extra_args": '["--tp", "2"]'})
     assert cfg.scheduler.cells == 3 and cfg.run.steps == 7
-    assert cfg.sampling.temperature == 0.5 and cfg.serving.extra_args == ["--tp", "2"]
+    assert cfg.sampling.max_new_tokens == 40 and cfg.serving.extra_args == ["--tp", "2"]
 
 
 @pytest.mark.parametrize("overrides, where", [
@@ -79,6 +79,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"cluster.ray_resources_per_rank": '{gyre_slot = "one"}'}, "cluster.ray_resources_per_rank"),
     ({"training.tp": "4"}, "training.tp"),
     ({"sampling.top_p": "5"}, "sampling.top_p"),
+    ({"sampling.top_p": "0.9"}, "sampling.top_p"),
+    ({"sampling.temperature": "0.7"}, "sampling.temperature"),
     ({"proxy.host": '""'}, "proxy.host"),
     ({"training.clip_grad": "-1"}, "training.clip_grad"),
     ({"training.step_timeout_s": "0"}, "training.step_timeout_s"),

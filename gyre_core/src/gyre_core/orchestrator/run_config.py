@@ -340,7 +340,16 @@ class RunConfig:
         need(self.serving.max_total_tokens >= 1024, "serving.max_total_tokens", "must be ≥ 1024")
         need(0 <= self.proxy.port < 65536, "proxy.port", "must be a TCP port (0: any free one)")
         need(self.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be ≥ 1")
-        need(self.sampling.temperature >= 0, "sampling.temperature", "must be ≥ 0")
+        # The trainer's log-probs are those of softmax(logits) over the whole vocabulary: only that
+        # sampler gives behaviour log-probs the ratio π/π_behaviour can be taken against (any other
+        # temperature makes the ratio differ from 1 even on-policy; top_p < 1 samples from a
+        # truncated distribution whose log-probs SGLang does not report). Refused, not ignored.
+        need(self.sampling.temperature == 1.0, "sampling.temperature",
+             "must be 1.0: the trainer computes log-probs of the untempered distribution, so another "
+             "temperature makes every importance ratio differ from 1 even on-policy")
+        need(self.sampling.top_p == 1.0, "sampling.top_p",
+             "must be 1.0: with top_p < 1 the behaviour log-probs SGLang reports are not those of the "
+             "truncated distribution the tokens were sampled from")
         need(self.model.max_seq_len >= self.dataplane.token_budget, "model.max_seq_len",
              "must be ≥ dataplane.token_budget (a micro-step row must fit the model)")
         need(self.scheduler.cells >= 1, "scheduler.cells", "must be ≥ 1")
