@@ -345,18 +345,32 @@ def test_failed_assignments_leave_both_buffers_untouched() -> None:
     with pytest.raises(GroupNotReady, match="missing executions: \\[1\\]"):
         pb.assign(0)  # a group with a missing execution
     buf.put(scored(1, 0, branches=((4, 30),)))  # a 41-token row > 20-token budget
-    with pytest.raises(ValueError, match="over the 20-token budget"):
-        pb.assign(0)
-    assert buf.ready() == [0] and pb.assigned == [] and q.unclaimed() == 0 and pb.pending_tokens == 0
     bad_tree = TrajectoryTree(100, [segment(0, None, 2, 2), segment(1, 0, 1, 1), segment(2, 0, 1, 1)])
     buf.put(ScoredExecution(100, 1, 0.5, bad_tree, (SelectedTrajectory(1, 0, frozenset({2})),)))
     buf.put(scored(101, 1))
     with pytest.raises(ValueError, match="not on the path"):
         pb.assign(1)  # materialisation fails: nothing taken, nothing enqueued
-    assert buf.ready() == [0, 1] and q.unclaimed() == 0
+    assert buf.ready() == [0, 1] and q.unclaimed() == 0 and pb.assigned == []
     with pytest.raises(ValueError, match="closing with 0 of 2"):
         pb.close()
     assert not q.closed
+
+
+def test_a_row_longer_than_a_micro_step_is_left_out_and_counted_never_raised() -> None:
+    """One long execution must not end an hours-long run: its over-budget row is not trained
+    (the proxy refuses calls that would make one; this is the last line), the rest of the group
+    is, and the step counts what it left out."""
+    buf = opened(n=2, groups=((0, 0),))
+    buf.put(scored(0, 0))
+    buf.put(scored(1, 0, branches=((4, 30),)))  # a 41-token row > 20-token budget
+    q, pb = packer(buf, 1, budget=20, dp=1)
+    pb.assign(0)
+    pb.close()
+    assert pb.assigned == [0] and pb.rows_over_budget == 1
+    items = []
+    while (item := q.claim(timeout=1)) is not None:
+        items.append(item)
+    assert items and all(len(row) <= 20 for ms in items for pack in ms.packs for row in pack.rows)
 
 
 # ------------------------------------------------------------------------- the contracts fit

@@ -1,20 +1,28 @@
 """Start and stop a real SGLang server process, with Gyre's plugin and (on CPU) Gyre's patches.
 
 Used by tests, benchmarks and the embedded default of ``gyre-orchestrate run``; on a cluster the
-servers are usually started by the user's own launcher with the same arguments. The server runs in
-its own process group so that teardown reaches its scheduler and detokenizer children, and only
-them: SIGTERM to the group, SIGKILL after a bounded wait (an SGLang CPU server can linger for 20 s
-after SIGTERM).
+servers are usually started by the user's own launcher with the same arguments and environment
+(:meth:`SGLangServer.launch_spec`). The server runs in its own process group so that teardown
+reaches its scheduler and detokenizer children, and only them: SIGTERM to the group, SIGKILL after
+a bounded wait (an SGLang CPU server can linger for 20 s after SIGTERM).
+
+The engine key travels in the environment (``GYRE_ENGINE_KEY``), never on the command line, which
+every local user can read: :mod:`gyre_sglang.launch_server` hands it to SGLang. Each server gets a
+private temporary folder (``TMPDIR``, mode 0700, removed when it stops): SGLang creates its ZMQ IPC
+sockets there with :mod:`tempfile`, and unpickles what arrives on some of them, so they must not
+sit in a shared ``/tmp``.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -68,15 +76,16 @@ _LAUNCHER_VARIABLES = frozenset({
 
 @dataclass
 class SGLangServer:
-    """One ``python -m sglang.launch_server`` process serving ``model_dir``.
+    """One SGLang server process (``python -m gyre_sglang.launch_server``) serving ``model_dir``.
 
     ``extra_args`` pass through to SGLang unchanged (any server argument a user would give it).
     On a machine without CUDA the CPU engine is selected and Gyre's CPU patch is applied in every
     server process; ``max_total_tokens`` bounds the KV pool (SGLang otherwise reserves ~15 GB).
 
     ``api_key`` (default: a fresh random key per server) guards every route but the health
-    probes: SGLang's own ``--api-key`` covers generate and weight updates, and Gyre's plugin checks
-    the same key (``GYRE_ENGINE_KEY``) on its ``/gyre/`` routes. :meth:`client` hands it on.
+    probes: SGLang's own API key covers generate and weight updates, and Gyre's plugin checks the
+    same key on its ``/gyre/`` routes. Both read it from ``GYRE_ENGINE_KEY`` in the server's
+    environment; ``--api-key`` in ``extra_args`` is refused. :meth:`client` hands it on.
     """
 
     model_dir: str | Path
@@ -92,6 +101,8 @@ class SGLangServer:
     GPUs its cell trains on. Ignored without CUDA, and where ``extra_args`` name their own."""
     tp_size: int = 1
     proc: subprocess.Popen[bytes] | None = None
+    tmpdir: str | None = field(default=None, init=False)
+    """The running server's private ``TMPDIR`` (its IPC sockets); removed when it stops."""
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -102,12 +113,17 @@ class SGLangServer:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        """The server's command line: no secret on it (the key is in :meth:`environment`)."""
+        from gyre_sglang.launch_server import secret_flags
+
+        if secret_flags(self.extra_args):
+            raise ValueError("extra_args must not carry --api-key/--admin-api-key (a command line is readable by "
+                             "every local user): the server's key is SGLangServer.api_key")
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
+            sys.executable, "-m", "gyre_sglang.launch_server",
             "--model-path", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             "--max-total-tokens", str(self.max_total_tokens),
-            f"--api-key={self.api_key}",  # one token: a key may start with "-" (token_urlsafe does, 1 in 64)
         ]
         if not _cuda_available():
             cmd += ["--device", "cpu"]
@@ -136,7 +152,8 @@ class SGLangServer:
             out += ["--tp-size", str(self.tp_size)]
         return out
 
-    def _environment(self) -> dict[str, str]:
+    def environment(self, tmpdir: str) -> dict[str, str]:
+        """The server's environment, with its key and ``tmpdir`` as its private ``TMPDIR``."""
         # An engine is a distributed job of its own: the rank variables of a launcher that started
         # its parent (torchrun starting a Gyre rank, which starts its cell's engine) must not leak
         # into SGLang's own torch.distributed initialisation, which would wait for that world.
@@ -152,7 +169,27 @@ class SGLangServer:
             env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
             env.setdefault("MC_LOG_LEVEL", "ERROR")
         env.update(self.env)
+        env["TMPDIR"] = tmpdir  # after self.env: the private folder is not optional (it may lie in theirs)
         return env
+
+    def launch_spec(self, tmpdir: str) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment the server process is started with (``tmpdir`` its
+        private ``TMPDIR``): what :meth:`start` hands to ``Popen``, for checking without a server."""
+        return self.command(), self.environment(tmpdir)
+
+    def new_tmpdir(self) -> str:
+        """A fresh private folder (0700) for one start, inside ``env["TMPDIR"]`` when one is given."""
+        return tempfile.mkdtemp(prefix="gyre-sglang-", dir=self.env.get("TMPDIR"))
+
+    def _remove_tmpdir(self) -> None:
+        tmpdir, self.tmpdir = self.tmpdir, None
+        if not tmpdir:
+            return
+        for _ in range(2):  # a child still dying of its SIGKILL may add a file while the tree goes
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            if not os.path.exists(tmpdir):
+                return
+            time.sleep(0.2)
 
     def start(self, timeout: float = 240.0, *, port_attempts: int = 4) -> "SGLangServer":
         """Launch and wait until ``/health_generate`` answers; ``ServerStartError`` otherwise.
@@ -179,10 +216,15 @@ class SGLangServer:
         log_start = Path(self.log_path).stat().st_size if self.log_path and Path(self.log_path).exists() else 0
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
+            self.tmpdir = self.new_tmpdir()
+            cmd, env = self.launch_spec(self.tmpdir)
             self.proc = subprocess.Popen(
-                self.command(), env=self._environment(), stdout=out, stderr=subprocess.STDOUT,
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )
+        except BaseException:
+            self._remove_tmpdir()
+            raise
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
@@ -230,7 +272,14 @@ class SGLangServer:
             return False
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds; idempotent."""
+        """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds, then remove its
+        private ``TMPDIR``; idempotent."""
+        try:
+            self._stop_group(grace)
+        finally:
+            self._remove_tmpdir()
+
+    def _stop_group(self, grace: float) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -256,7 +305,7 @@ class SGLangServer:
                 continue
 
     def kill(self) -> None:
-        """SIGKILL the whole server at once (fault injection)."""
+        """SIGKILL the whole server at once (fault injection), then remove its private ``TMPDIR``."""
         if self.proc is not None:
             try:
                 os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
@@ -264,6 +313,7 @@ class SGLangServer:
                 pass
             self.proc.wait()
             self.proc = None
+        self._remove_tmpdir()
 
     def __enter__(self) -> "SGLangServer":
         return self.start() if self.proc is None else self

@@ -238,9 +238,11 @@ class StreamPackingBuffer:
         self.micro_steps = 0
         self.tokens_emitted = 0
         self.split_executions = 0
+        """Executions whose rows did not fit one pack together (their ratio is per pack)."""
         self.masked_nonfinite = 0
         """Sampled tokens not trained because their recorded log-prob was not finite."""
-        """Executions whose rows did not fit one pack together (their ratio is per pack)."""
+        self.rows_over_budget = 0
+        """Rows left out because they were longer than ``token_budget`` (one micro-step row)."""
         self._trajectories = trajectories
         self._queue = queue
         self._sent: dict[int, MicroStep] = {}
@@ -272,13 +274,12 @@ class StreamPackingBuffer:
             group = self._trajectories.peek(group_id)
             n = self._trajectories.group_size
             rows = materialise_group(group, len(self.assigned) * n, self.n_executions)
-            too_long = [r for r in rows if len(r) > self.config.token_budget]
-            if too_long:
-                r = too_long[0]
-                raise ValueError(
-                    f"group {group_id}: execution {r.row.execution_id} has a {len(r)}-token row, "
-                    f"over the {self.config.token_budget}-token budget"
-                )
+            # A row longer than a micro-step cannot be trained. The proxy refuses calls that would
+            # make one, so this is a last line: such a row is left out (its execution's reward still
+            # counts in the group's advantages; its other rows train) and counted, never raised.
+            fits = [r for r in rows if len(r) <= self.config.token_budget]
+            self.rows_over_budget += len(rows) - len(fits)
+            rows = fits
             self._trajectories.take(group_id)
             self.assigned.append(group_id)
             self._pulls = max(0, self._pulls - 1)

@@ -55,6 +55,12 @@ else shapes what the journal recorded (the scheduler, the task, sampling, the ob
 harness, the seed) and must match, unless the resume is forced."""
 
 
+def tokenizer_window(tokenizer: Any) -> int | None:
+    """The model's own window as its tokenizer states it (``model_max_length``; None if unset)."""
+    n = getattr(tokenizer, "model_max_length", None)
+    return int(n) if isinstance(n, int) and 0 < n < 10**9 else None
+
+
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -311,6 +317,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         served_models=(cfg.model.name,),
         sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p},
         max_new_tokens=cfg.sampling.max_new_tokens,
+        # what can be trained, not only what the model reads: a call whose prompt and reply would
+        # not fit one micro-step row is refused with the API's own context-length error (the
+        # harness reacts as to a real API: compacts, or ends), and never reaches the trainer
+        context_window=min(w for w in (tokenizer_window(tokenizer), cfg.dataplane.token_budget) if w),
         kv_handoff=cfg.proxy.kv_handoff,
     ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
     # what every serving side (and a restarted engine's) needs: the key, and how loads are checked

@@ -183,6 +183,7 @@ class StepsMixin:
                "split_executions": st.packing.split_executions,
                # sampled tokens whose recorded log-prob was NaN or infinite: context, not targets
                "masked_nonfinite_tokens": st.packing.masked_nonfinite,
+               "rows_over_budget": st.packing.rows_over_budget,  # left out: longer than one micro-step
                "joins": _joins([(c, infos[c]) for c in sorted(infos) if c]),
                # satellites the scheduler sent into the step while it was already training
                "joined_running": [{"cell": c, "at_s": round(t, 3), "after_s": round(t - st.started, 3),

@@ -1,8 +1,9 @@
 """Every ``/gyre/`` route of the plugin needs the run's engine key (``Authorization: Bearer``).
 
-The key comes from ``GYRE_ENGINE_KEY``, which :class:`gyre_sglang.server.SGLangServer` sets to the
-same value it gives SGLang's own ``--api-key`` (so generate and weight updates are guarded by
-SGLang, the plugin's routes by this check, whatever SGLang's own auth rules become). Without the
+The key comes from ``GYRE_ENGINE_KEY``, which :class:`gyre_sglang.server.SGLangServer` sets and
+:mod:`gyre_sglang.launch_server` also makes SGLang's own API key (never ``--api-key``: a command
+line is world-readable), so generate and weight updates are guarded by SGLang, the plugin's routes
+by this check, whatever SGLang's own auth rules become. Without the
 variable the routes are refused outright (403): a server someone started by hand with the plugin
 enabled must not expose KV export, aborts and weight loading to anyone who reaches its port.
 """
