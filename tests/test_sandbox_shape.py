@@ -52,3 +52,16 @@ def test_the_relay_ends_as_its_harness_ends(tmp_path: Path) -> None:
     killed = subprocess.run(base + ["import os; os.kill(os.getpid(), 9)"], env=env, timeout=60)
     failed = subprocess.run(base + ["raise SystemExit(3)"], env=env, timeout=60)
     assert (killed.returncode, failed.returncode) == (128 + 9, 3)
+
+
+def test_what_is_bound_back_never_gives_back_an_emptied_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python path of the home itself (``python -m`` from ``~``) must not bind the home back,
+    and nothing is bound twice (a folder inside one already bound back)."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    monkeypatch.setattr(sys, "path", [home, "/tmp", *sys.path])
+    spec = SandboxSpec((), "/tmp/gyre-proxy-x/proxy.sock", "127.0.0.1", 8100)
+    argv = wrap([sys.executable, "-c", "pass"], spec, str(tmp_path / "w"), str(tmp_path / "h")).argv
+    binds = [argv[i + 2] for i, a in enumerate(argv) if a == "--ro-bind" and argv[i + 1] == argv[i + 2]]
+    assert home not in binds and "/tmp" not in binds and "/" not in binds[1:], binds
+    assert not any(b != c and b.startswith(c.rstrip("/") + "/") for b in binds for c in binds
+                   if c not in ("/", "/tmp/gyre-proxy-x/proxy.sock")), binds

@@ -223,11 +223,18 @@ def wrap(argv: Sequence[str], sandbox: SandboxSpec, workdir: str, home: str) -> 
     for p in emptied:
         args += ["--perms", "0755", "--tmpfs", p]
     made: set[str] = set()
-    # what the harness and the relay need, back from under the emptied folders, read-only
+    # what the harness and the relay need, back from under the emptied folders, read-only: never
+    # an emptied folder itself or one holding it (a Python path of "/root" would give the home
+    # back), and nothing inside a folder already bound back
     folders, files = _program_paths(argv)
+    bound: list[str] = []
     for p in sorted(set(_python_paths() + folders)):
-        if _under(p, emptied) and os.path.isdir(p):
-            args += _dirs_for(p, emptied, made) + ["--ro-bind", p, p]
+        if not _under(p, emptied) or not os.path.isdir(p) or _under(p, bound):
+            continue
+        if any(_under(e, [p]) for e in emptied):
+            continue
+        args += _dirs_for(p, emptied, made) + ["--ro-bind", p, p]
+        bound.append(p)
     hidden = [os.path.realpath(h) for h in sandbox.hide] + _sibling_runs(sandbox.hide)
     for path in hidden:  # a folder under an empty tmpfs, a file under /dev/null
         args += ["--perms", "0755", "--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
