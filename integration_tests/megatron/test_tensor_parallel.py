@@ -180,3 +180,33 @@ def test_a_tp2_satellite_joins_and_the_update_equals_one_cell(measured, tmp_path
         assert float(np.abs(after_core[k] - v).max()) <= 1e-6, k
     for c, s in zip(core_params, sat_params):  # the new weights went to the satellite's shards
         assert all(np.array_equal(c[k], s[k]) for k in c)
+
+
+def test_tied_embeddings_count_once_in_the_clipped_norm_at_pp2(tmp_path_factory) -> None:
+    """Tied embeddings split over two stages: the first stage's embedding and the last stage's
+    output copy both hold the summed gradient after the step; the norm that clipping acts on
+    must count it once, exactly as a single stage does (an active clip, so the update shows it)."""
+    from gyre_megatron.hf_import import spec_from_hf_dir
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import build_qwen2_checkpoint, feed_in_bursts
+
+    ckpt = tmp_path_factory.mktemp("tied")
+    build_qwen2_checkpoint(ckpt, tied=True, seed=23)
+    spec = spec_from_hf_dir(ckpt)
+    assert spec.tie_embeddings
+    norms, after = {}, {}
+    for pp in (1, 2):
+        opts = RankOptions(cells=1, tp=1, pp=pp, spec=spec, init_from=str(ckpt), normalise_by_tokens=False,
+                           clip_grad=1e-3)
+        with World(opts, n_queues=1) as w:
+            core = w.ranks_of(0)
+            tk = w.submit(core, "run_step", 0, 0)
+            feed_in_bursts(w.queues[0], _microsteps(), burst=4, gap_s=0)
+            norms[pp] = [s["grad_norm"] for s in w.wait(tk, 180)]
+            after[pp] = _hf_state(w.call(core, "export_hf"))
+    ref = norms[1][0]
+    assert ref > 1e-3, "the clip must be active"
+    assert all(abs(n - ref) <= 1e-5 * ref for n in norms[2]), (norms, "the shared matrix counted twice?")
+    for k, v in after[1].items():
+        assert np.allclose(after[2][k], v, atol=1e-6, rtol=1e-5), k

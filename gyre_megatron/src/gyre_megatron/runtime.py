@@ -244,10 +244,13 @@ class CellRank(RankChecks):
 
     def _local_grad_square(self) -> float:
         """This rank's share of the squared gradient norm: a tensor replicated across the tensor
-        group (norm scales) counts on shard 0 only, as in megatron-core's own norm."""
-        if self.opts.tp == 1:
+        group (norm scales) counts on shard 0 only, and the last stage's copy of tied embeddings
+        (megatron-core marks it ``shared``; after the tied sum it holds the first stage's
+        gradient) not at all, as in megatron-core's own norm: the shared matrix counts once."""
+        params = [p for p in self.ddp.module.parameters() if not getattr(p, "shared", False)]
+        if self.opts.tp == 1 and len(params) == len(list(self.ddp.module.parameters())):
             return sum(float(b.double().pow(2).sum()) for b in self.grad_buffers())
-        return sum(float(p.main_grad.double().pow(2).sum()) for p in self.ddp.module.parameters()
+        return sum(float(p.main_grad.double().pow(2).sum()) for p in params
                    if self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
 
     def grads_numpy(self) -> list[Any]:

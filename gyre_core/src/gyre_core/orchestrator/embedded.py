@@ -92,11 +92,12 @@ def _plugin_manager(extra_plugins: Sequence[Any] = ()) -> Any:
     from gyre_core.orchestrator import harness
     from gyre_core.plugins import plugin_manager
     from gyre_core.proxy.classify import DEFAULT_CLASSIFIER
-    from gyre_core.tasks import digits, number_guess, sum_file
+    from gyre_core.tasks import digits, file_tasks, number_guess, sum_file
 
     pm = plugin_manager()
     for mod, name in ((harness, "gyre-core.harness"), (number_guess, "gyre-core.number-guess"),
                       (sum_file, "gyre-core.sum-file"), (digits, "gyre-core.digits"),
+                      (file_tasks, "gyre-core.file-tasks"),
                       (DEFAULT_CLASSIFIER, "gyre-core.claude-code-roles")):
         if pm.get_plugin(name) is None:
             pm.register(mod, name=name)

@@ -19,6 +19,7 @@ own API key, under both the OpenAI and the Anthropic names. Built-in launchers:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -211,6 +212,12 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
     home = workdir.parent / f"{workdir.name}.home"
     home.mkdir(parents=True, exist_ok=True)
     workdir.mkdir(parents=True, exist_ok=True)
+    src = spec.extra.get("workspace_src")
+    if src:  # what the task brings (a repository, its tests), copied in before the harness starts
+        if Path(src).is_dir():
+            shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
+        else:
+            shutil.copy2(src, workdir / Path(src).name)
     env = harness_env(spec, home)
     if spec.harness == "number-guess":
         env["GYRE_NUMBER_GUESS_SECRET"] = str(spec.extra["secret"])

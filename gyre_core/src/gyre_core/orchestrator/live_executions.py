@@ -202,6 +202,7 @@ class ExecutionsMixin:
         if ex.infra_errors:  # the evaluator learns what Gyre answered: it may vouch for its score
             spec = ex.spec = replace(spec, extra={**spec.extra, "infrastructure_errors": list(ex.infra_errors)})
         timeout = self.cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, spec.overall_budget_s / 4))
+        spec = ex.spec = replace(spec, extra={**spec.extra, "evaluator_timeout_s": timeout})  # its bound
 
         def evaluator(state: StateRef) -> Assessment | None:
             return self.pm.hook.gyre_evaluate(spec=spec, state=state)
@@ -302,7 +303,8 @@ class ExecutionsMixin:
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(self.out_dir / "executions" / f"e{eid:05d}"), proxy_base_url=self.proxy_url,
             api_key="", harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
-            harness=self.cfg.harness.kind, task=inst.prompt, extra=dict(inst.as_extra(), model=self.cfg.model.name))
+            harness=self.cfg.harness.kind, task=inst.prompt, extra=dict(inst.as_extra(), model=self.cfg.model.name,
+                                                                        **({"sandbox": self.sandbox} if self.sandbox else {})))
         return _with_exit(spec, ex.harness_exit) if ex.harness_exit else spec
 
     def _final_state(self, eid: int) -> StateRef:

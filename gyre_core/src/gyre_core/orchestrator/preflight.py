@@ -9,6 +9,8 @@ plugin checks its own dependencies through the ``gyre_preflight`` hook.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -58,6 +60,9 @@ def _core_problems(cfg: RunConfig, pm: Any) -> list[str]:
                         "(install it: npm install -g @anthropic-ai/claude-code, or set harness.claude_bin)")
     if h.kind == "command" and h.command and not _executable(h.command[0]):
         problems.append(f"harness.command: {h.command[0]!r} is not an executable on PATH")
+    from gyre_core.tasks.file_tasks import file_task_problems
+
+    problems += file_task_problems(dataclasses.asdict(cfg.task))
     from gyre_core.orchestrator.sandbox import sandbox_problem
 
     if (why := sandbox_problem(h.sandbox)) is not None:

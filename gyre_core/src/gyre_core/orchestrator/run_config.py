@@ -60,7 +60,17 @@ class ModelSection:
 @dataclass
 class TaskSection:
     name: str = "number-guess"
+    """A built-in task (``number-guess``, ``sum-file``, ``digits``), one a plugin provides, or
+    ``file`` (the default when ``train`` is set): the user's own tasks from a file."""
     turns: int = 3
+    train: str = ""
+    """Task file (JSON lines, or a JSON list of records); see :mod:`gyre_core.tasks.file_tasks`."""
+    prompt_template: str = ""
+    """Formats each record's fields into its prompt (empty: the record's ``prompt``)."""
+    reward: str = ""
+    """``path/to/file.py:function`` scoring a record's workspace (or use ``evaluator``)."""
+    evaluator: list[str] = field(default_factory=list)
+    """A command run in the workspace, in the sandbox: exit 0/1, or a last line ``{"reward": x}``."""
 
 
 @dataclass
@@ -277,6 +287,14 @@ class RunConfig:
              "--resume needs the output folder of the run to continue (--out)")
         need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
+        if self.task.train and self.task.name == TaskSection.name:
+            self.task.name = "file"  # a task file means the user's own tasks
+        if self.task.name == "file":
+            need(bool(self.task.train), "task.train", 'task.name = "file" needs a task file (task.train)')
+            need(bool(self.task.reward) != bool(self.task.evaluator), "task.reward",
+                 "give exactly one of task.reward (\"file.py:function\") and task.evaluator (a command)")
+        else:
+            need(not self.task.train, "task.train", f"a task file needs task.name = \"file\", not {self.task.name!r}")
         need(self.harness.sandbox in ("bwrap", "none"), "harness.sandbox", "must be \"bwrap\" or \"none\"")
         need(self.harness.evaluator_timeout_s >= 0, "harness.evaluator_timeout_s", "must be ≥ 0 (0: automatic)")
         need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",

@@ -156,6 +156,9 @@ def prepare_dirs(*paths: str | Path) -> None:
     for p in paths:
         os.chown(p, SANDBOX_UID, SANDBOX_UID)
         os.chmod(p, 0o700)
+        for top, dirs, files in os.walk(p):  # what a task copied in is the harness's to change
+            for name in dirs + files:
+                os.chown(os.path.join(top, name), SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
 
 
 # ----------------------------------------------------------------------------- the filesystem

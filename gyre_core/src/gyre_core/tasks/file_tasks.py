@@ -1,0 +1,254 @@
+"""A user's own tasks and rewards from files: no plugin, no package.
+
+``[task] train = "tasks.jsonl"`` (JSON lines, or a JSON list) holds one record per task. The
+prompt is the record's ``prompt``, or ``prompt_template`` formatted with the record's fields
+(``"Fix {repo}: {issue}"``). A record may name a file or folder in ``workspace`` (relative to the
+task file) that is copied into the execution's workspace before the harness starts.
+
+The reward is either
+
+* ``reward = "path/to/reward.py:function"``, called as ``function(record, workspace, outcome)``
+  (``outcome``: ``{"harness_exit": code or None, "harness_end": "completed" | "failed" |
+  "crashed"}``), returning a number (the reward), or ``None`` / raising for *unresolved* (retried
+  within the budget, never a zero); or
+* ``evaluator = ["python", "check.py"]``, a command run in the workspace -- inside the execution's
+  sandbox, as the harness ran -- with a timeout: exit 0 is 1.0 and exit 1 is 0.0, unless its last
+  stdout line is ``{"reward": x}``; any other exit, a signal or the timeout is unresolved.
+
+Groups draw records in a seeded order without replacement, epoch after epoch: group ``g`` takes
+position ``g mod n`` of epoch ``g div n``'s permutation, a pure function of the seed and the group
+id, so a resumed run (which replays the journalled group ids) draws exactly the same records.
+Everything the user's files could get wrong is reported before the run starts
+(:func:`file_task_problems`), one line each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from gyre_core.hookspecs import hookimpl
+from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+
+__all__ = ["TASK_NAME", "FileTaskInstance", "file_task_problems", "load_records", "record_for_group",
+           "run_evaluator_command"]
+
+TASK_NAME = "file"
+OUTPUT_LIMIT_BYTES = 1 << 20
+"""What is read of an evaluator command's output (its last line is the verdict)."""
+
+
+@dataclass(frozen=True)
+class FileTaskInstance:
+    """One record as a task instance: the prompt, and what the evaluator needs in ``extra``."""
+
+    index: int
+    epoch: int
+    record: Mapping[str, Any]
+    prompt: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_extra(self) -> dict[str, Any]:
+        return {"task": TASK_NAME, "record_index": self.index, "epoch": self.epoch, "record": dict(self.record),
+                **self.options}
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@lru_cache(maxsize=8)
+def _load(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
+    text = Path(path).read_text(encoding="utf-8")
+    if path.endswith(".jsonl"):
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        rows = json.loads(text)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a JSON task file holds a list of records")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}: record {i} is not an object")
+    return tuple(rows)
+
+
+def load_records(path: str | Path) -> tuple[dict[str, Any], ...]:
+    """The task file's records (JSON lines, or a JSON list of objects); cached while unchanged."""
+    p = str(Path(path).resolve())
+    return _load(p, os.stat(p).st_mtime_ns)
+
+
+def record_for_group(n: int, seed: int, group_id: int) -> tuple[int, int]:
+    """``(record index, epoch)`` of group ``group_id``: a seeded permutation per epoch."""
+    if n <= 0:
+        raise ValueError("the task file holds no record")
+    epoch, pos = divmod(group_id, n)
+    order = list(range(n))
+    random.Random(f"gyre-file-tasks/{seed}/{epoch}").shuffle(order)
+    return order[pos], epoch
+
+
+def render_prompt(record: Mapping[str, Any], template: str) -> str:
+    if template:
+        return template.format(**record)
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("the record has no string 'prompt' (or set task.prompt_template)")
+    return prompt
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def load_reward(target: str) -> Callable[..., Any]:
+    """``"path/to/file.py:function"`` -> the function; ``ValueError`` naming what is wrong."""
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"{target!r} is not 'path/to/file.py:function'")
+    return _load_reward(str(Path(path).resolve()), name)
+
+
+@lru_cache(maxsize=8)
+def _load_reward(path: str, name: str) -> Callable[..., Any]:
+    if not Path(path).is_file():
+        raise ValueError(f"{path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"gyre_user_reward_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: any error is reported, in one line
+        raise ValueError(f"{path} fails to load: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{path} has no function {name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def reward_value(value: Any) -> float | None:
+    """A reward function's answer: a finite number, or ``None`` (unresolved); else ``TypeError``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise TypeError(f"a reward function must return a finite number or None, got {value!r}")
+    return float(value)
+
+
+def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
+                          sandbox: Mapping[str, Any] | None) -> tuple[float | None, str]:
+    """Run the task's evaluator command in the workspace (inside the sandbox when the run has
+    one): ``(reward or None for unresolved, detail)``. Never raises for what the command does."""
+    argv, fds = list(cmd), ()
+    if sandbox:
+        from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
+
+        home = str(Path(workdir).parent / f"{Path(workdir).name}.home")
+        launch = wrap(argv, SandboxSpec.from_extra(sandbox), workdir, home)
+        argv, fds = launch.argv, launch.pass_fds
+    env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ}
+    try:
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
+    except OSError as exc:
+        return None, f"evaluator command cannot start: {exc}"
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, f"evaluator command gave no verdict within {timeout_s:g} s"
+    lines = out[-OUTPUT_LIMIT_BYTES:].decode("utf-8", "replace").strip().splitlines()
+    if lines and lines[-1].lstrip().startswith("{"):
+        try:
+            verdict = json.loads(lines[-1])
+            value = reward_value(verdict.get("reward")) if isinstance(verdict, dict) else None
+        except (ValueError, TypeError) as exc:
+            return None, f"evaluator command printed a malformed verdict: {exc}"
+        if value is not None:
+            return value, f"evaluator command: reward {value}"
+    code = proc.returncode
+    if code in (0, 1):
+        return 1.0 - code, f"evaluator command exited {code}"
+    return None, f"evaluator command ended with {'signal ' + str(-code) if code < 0 else 'exit ' + str(code)}"
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+@hookimpl
+def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> FileTaskInstance | None:
+    if task != TASK_NAME or not options.get("train"):
+        return None
+    records = load_records(options["train"])
+    index, epoch = record_for_group(len(records), seed, group_id)
+    record = records[index]
+    workspace = record.get("workspace")
+    src = str((Path(options["train"]).resolve().parent / workspace).resolve()) if workspace else ""
+    return FileTaskInstance(index, epoch, record, render_prompt(record, str(options.get("prompt_template") or "")),
+                            {"reward": str(options.get("reward") or ""),
+                             "evaluator": list(options.get("evaluator") or []), "workspace_src": src})
+
+
+@hookimpl
+def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
+    x = spec.extra
+    if x.get("task") != TASK_NAME:
+        return None
+    timeout = float(x.get("evaluator_timeout_s") or 60.0)
+    if x.get("evaluator"):
+        value, detail = run_evaluator_command(x["evaluator"], state.branch, max(1.0, 0.9 * timeout), x.get("sandbox"))
+    else:
+        fn = load_reward(str(x["reward"]))
+        outcome = {"harness_exit": x.get("harness_exit", 0), "harness_end": x.get("harness_end", "completed")}
+        value = reward_value(fn(dict(x["record"]), state.branch, outcome))  # raising: unresolved, retried
+        detail = f"{x['reward']} returned {value}"
+    if value is None:
+        return Assessment.unresolved(state, detail)
+    return Assessment.valid(value, state, detail)
+
+
+def file_task_problems(task: Mapping[str, Any]) -> list[str]:
+    """What is wrong with ``[task]``'s files, one line each, before any process starts: an
+    unreadable task file, a record without a prompt, a reward file that does not load or a
+    function that is missing or answers with something other than a number or None."""
+    if not task.get("train"):
+        return []
+    problems: list[str] = []
+    try:
+        records = load_records(task["train"])
+        if not records:
+            problems.append(f"task.train: {task['train']} holds no record")
+        for i, r in enumerate(records[:1000]):
+            try:
+                render_prompt(r, str(task.get("prompt_template") or ""))
+            except (KeyError, IndexError, ValueError) as exc:
+                problems.append(f"task.train: record {i}: no prompt ({type(exc).__name__}: {exc})")
+                break
+    except (OSError, ValueError) as exc:
+        problems.append(f"task.train: {type(exc).__name__}: {exc}")
+        records = ()
+    if task.get("reward"):
+        try:
+            fn = load_reward(str(task["reward"]))
+        except ValueError as exc:
+            problems.append(f"task.reward: {exc}")
+        else:
+            if records:  # one call on an empty workspace: the answer's type, before the run
+                import tempfile
+
+                with tempfile.TemporaryDirectory(prefix="gyre-reward-check-") as d:
+                    try:
+                        reward_value(fn(dict(records[0]), d, {"harness_exit": 0, "harness_end": "completed"}))
+                    except TypeError as exc:
+                        problems.append(f"task.reward: {exc}")
+                    except Exception:  # noqa: BLE001 - raising on an empty workspace is allowed (unresolved)
+                        pass
+    return problems
