@@ -72,10 +72,10 @@ def test_the_cli_says_it_in_one_line(tmp_path: Path) -> None:
 
 def test_a_resume_names_every_changed_setting_the_journal_depends_on() -> None:
     before = load_run_config().as_dict()
-    after = load_run_config(None, {"sampling.temperature": "0.5", "training.lr": "0.01", "run.seed": "3",
+    after = load_run_config(None, {"sampling.max_new_tokens": "40", "training.lr": "0.01", "run.seed": "3",
                                    "harness.timeout_s": "100", "run.steps": "9", "watchdog.failures": "5",
                                    "training.step_timeout_s": "30"}).as_dict()
-    assert config_changes(before, after) == ["harness.timeout_s", "run.seed", "sampling.temperature", "training.lr"]
+    assert config_changes(before, after) == ["harness.timeout_s", "run.seed", "sampling.max_new_tokens", "training.lr"]
     assert config_changes(before, before) == []
 
 
@@ -83,3 +83,25 @@ def test_a_forced_resume_is_explicit(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "gyre_core.cli", "run", "--out", str(tmp_path), "--force-resume"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--force-resume needs --resume" in proc.stderr
+
+
+def test_checkpoint_pruning_keeps_the_newest_and_what_a_resume_needs() -> None:
+    from gyre_core.orchestrator.live_steps import prunable
+
+    ckpts = {s: f"/c/step{s}" for s in range(6)}
+    assert prunable(ckpts, 2, published=6) == [0, 1, 2, 3]      # steps 4, 5 stay
+    assert prunable(ckpts, 2, published=3) == [0, 1, 3]         # step 2 rebuilds published version 3
+    assert prunable(ckpts, 0, published=6) == []                # 0: keep all
+    assert prunable({0: "a"}, 1, published=0) == []
+
+
+def test_a_deleted_checkpoint_is_not_offered_to_a_resume(tmp_path) -> None:
+    from gyre_core.orchestrator.journal import Journal, Replay
+
+    j = Journal(tmp_path / "journal.jsonl", fresh=True)
+    j.write("config", config={"run": {"steps": 3}})
+    for s in range(3):
+        j.write("checkpoint", step=s, path=f"/c/step{s}")
+    j.write("checkpoint_deleted", step=0)
+    j.close()
+    assert Replay.load(tmp_path / "journal.jsonl").checkpoints == {1: "/c/step1", 2: "/c/step2"}

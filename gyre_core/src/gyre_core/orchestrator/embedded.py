@@ -49,7 +49,8 @@ JOURNAL = "journal.jsonl"
 """The run's durable state in ``run.out_dir`` (see :mod:`gyre_core.orchestrator.journal`)."""
 
 RESUME_MAY_CHANGE = ("run.steps", "run.max_wall_s", "run.out_dir", "run.resume", "training.step_timeout_s",
-                     "training.collective_timeout_s", "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.", "metrics.")
+                     "training.collective_timeout_s", "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.", "metrics.",
+                     "checkpoint.", "harness.evaluator_timeout_s", "harness.sandbox_expose")
 """What a resumed run may change (how long and how watched it runs, where it listens): everything
 else shapes what the journal recorded (the scheduler, the task, sampling, the objective, the
 harness, the seed) and must match, unless the resume is forced."""

@@ -13,6 +13,7 @@ flushed and fsynced before the event takes effect):
   here); ``placeholder`` for a complete failure's zero;
 - ``excluded``   -- an execution whose evaluation never resolved inside its budget;
 - ``checkpoint`` -- the core saved its training state after step ``step`` (weights + optimizer);
+- ``checkpoint_deleted`` -- that state was removed (``checkpoint.keep_last``);
 - ``published``  -- policy ``version`` is loadable from ``location``.
 
 Replaying the events through a fresh :class:`~gyre_core.scheduler.state_machine.Scheduler`
@@ -193,6 +194,8 @@ class Replay:
                     r.excluded.add(int(rec["execution_id"]))
                 elif kind == "checkpoint":
                     r.checkpoints[int(rec["step"])] = str(rec["path"])
+                elif kind == "checkpoint_deleted":
+                    r.checkpoints.pop(int(rec["step"]), None)
                 elif kind == "published":
                     r.published[int(rec["version"])] = str(rec["location"])
                 elif kind == "trajectory":

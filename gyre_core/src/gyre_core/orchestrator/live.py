@@ -138,6 +138,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self.role_switches: list[dict[str, Any]] = []
         self.step_records: list[dict[str, Any]] = []
         self.publications: list[dict[str, Any]] = []
+        self._checkpoints: dict[int, str] = {}
+        """Step -> the core's saved training state, as journalled (``checkpoint.keep_last`` prunes)."""
         self.satellite_failures: list[dict[str, Any]] = []
         """Steps that lost a cell and finished on the survivors (and whether the ranks restarted)."""
 

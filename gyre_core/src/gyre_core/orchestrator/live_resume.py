@@ -37,6 +37,7 @@ class ResumeMixin:
         - an unfinished publication, role switch or cancellation is carried out again.
         """
         self._t0 = self.clock() - replay.last_time
+        self._checkpoints = dict(replay.checkpoints)  # the ones still on disk (keep_last pruned the rest)
         launched: dict[int, ev.Launch] = {}
         ended: set[int] = set()
         cancels: set[int] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -54,6 +55,16 @@ class LostTraining:
 
     def close_stream(self, step: int) -> None:
         self.last_step_info = [{"joined": False, "lost": self.why}]
+
+
+def prunable(checkpoints: Mapping[int, str], keep_last: int, published: int) -> list[int]:
+    """Steps whose checkpoints may go: all but the ``keep_last`` newest (0: none go), and never
+    the one a resume needs to rebuild published policy ``published`` (the state after step
+    ``published - 1``; a Mooncake publication lives only in memory)."""
+    if keep_last <= 0:
+        return []
+    keep = set(sorted(checkpoints)[-keep_last:]) | {published - 1}
+    return sorted(s for s in checkpoints if s not in keep)
 
 
 def _joins(satellites: Sequence[tuple[int, Sequence[Mapping[str, Any]]]]) -> list[dict[str, Any]]:
@@ -169,6 +180,10 @@ class StepsMixin:
             (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             await self._cell_call(0, save, path)
             self.journal.write("checkpoint", step=st.step, path=path)
+            self._checkpoints[st.step] = path
+            for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.weights.version):
+                self.journal.write("checkpoint_deleted", step=old)  # first: a crash now never names a gone one
+                await asyncio.to_thread(shutil.rmtree, self._checkpoints.pop(old), True)
         for g in st.groups:
             self._account_group(g, "trained", from_fates=("assigned",))
         rewards = [self._execs[e].reward for g in st.groups for e in self._group_members(g)

@@ -230,6 +230,15 @@ class PublicationSection:
 
 
 @dataclass
+class CheckpointSection:
+    """The core's training state (weights and optimizer) saved after each step, for ``--resume``."""
+
+    keep_last: int = 2
+    """How many of the newest step checkpoints to keep (0: all). The one a resume needs to rebuild
+    the last published policy is always kept too. A 7B model's state is ~100 GB a step."""
+
+
+@dataclass
 class WatchdogSection:
     """The engine watchdog (:class:`~gyre_core.orchestrator.watchdog.EngineWatchdog`)."""
 
@@ -275,6 +284,7 @@ class RunConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     publication: PublicationSection = field(default_factory=PublicationSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def validate(self) -> "RunConfig":
         def need(cond: bool, where: str, msg: str) -> None:
@@ -379,6 +389,7 @@ class RunConfig:
         need(self.cluster.ray_gpus_per_rank >= 0, "cluster.ray_gpus_per_rank", "must be ≥ 0")
         need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
              f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
+        need(self.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be ≥ 0 (0: keep all)")
         need(self.publication.version_wait_s >= 0, "publication.version_wait_s", "must be ≥ 0")
         need(self.publication.load_attempts >= 1, "publication.load_attempts", "must be ≥ 1")
         need(self.publication.protocol in ("tcp", "rdma"), "publication.protocol",
