@@ -177,3 +177,40 @@ def test_a_records_files_are_copied_into_the_workspace_before_the_harness(tmp_pa
                                 "workspace_src": str(tmp_path / "repo")})
     assert gyre_launch_harness(spec=spec).wait(30) == 0
     assert (work / "seen.txt").read_text() == (tmp_path / "repo" / "calc.py").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_the_example_tasks_evaluator_scores_a_fix_and_ignores_edited_tests(tmp_path: Path) -> None:
+    """``examples/tasks``: the shipped task set's evaluator, as a run calls it (in the sandbox):
+    the planted bug scores 0, the fix scores 1, and an agent that guts the test gains nothing."""
+    from gyre_core.orchestrator.sandbox import SandboxSpec, prepare_dirs
+
+    repo = Path(__file__).resolve().parents[1]
+    examples = repo / "examples" / "tasks"
+    record = json.loads((examples / "train.jsonl").read_text().splitlines()[0])
+    sock_dir = tmp_path / "sock"
+    sock_dir.mkdir(mode=0o711)
+    (sock_dir / "proxy.sock").touch()
+    sandbox = SandboxSpec((), str(sock_dir / "proxy.sock"), "127.0.0.1", 8399).as_extra()
+    work, home = tmp_path / "w", tmp_path / "w.home"
+    work.mkdir()
+    home.mkdir()
+    for name, content in record["workspace"].items():
+        (work / name).write_text(content)
+    prepare_dirs(work, home)
+    cmd = [sys.executable, str(examples / "check.py")]
+
+    def score() -> float | None:
+        return ft.run_evaluator_command(cmd, str(work), 60.0, sandbox, record)[0]
+
+    module = next(n for n in record["workspace"] if not n.startswith("test_"))
+    test = next(n for n in record["workspace"] if n.startswith("test_"))
+    assert score() == 0.0  # the planted bug
+    (work / test).write_text("")  # an agent deleting the test: the evaluator restores it
+    assert score() == 0.0
+    fixed = {"add": "a + b", "mul": "a * b", "clamp": "max(lo, min(x, hi))", "last": "xs[-1]", "total": "sum(xs)",
+             "count_even": "sum(1 for x in xs if x % 2 == 0)", "first_n": "xs[:n]", "is_adult": "age >= 18",
+             "square": "x * x", "reverse": "s[::-1]"}[record["function"]]
+    src = record["workspace"][module]
+    (work / module).write_text(src[:src.index("return ") + len("return ")] + fixed + "\n")
+    assert score() == 1.0

@@ -218,6 +218,12 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
             shutil.copytree(src, workdir, dirs_exist_ok=True, symlinks=True)
         else:
             shutil.copy2(src, workdir / Path(src).name)
+    for rel, content in dict(spec.extra.get("workspace_files") or {}).items():
+        dest = (workdir / rel).resolve()
+        if not dest.is_relative_to(workdir.resolve()):
+            raise ValueError(f"workspace file {rel!r} would lie outside the workspace")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(content)
     env = harness_env(spec, home)
     if spec.harness == "number-guess":
         env["GYRE_NUMBER_GUESS_SECRET"] = str(spec.extra["secret"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -260,6 +261,14 @@ class SamplingSection:
     max_new_tokens: int = 24
 
 
+def _absolute_if_file(arg: str) -> str:
+    """``arg`` made absolute when it names an existing file relative to the current folder (a
+    symlink stays a symlink: ``.venv/bin/python`` keeps its virtual environment)."""
+    if arg and not os.path.isabs(arg) and os.path.isfile(arg):
+        return os.path.abspath(arg)
+    return arg
+
+
 def _embedded_scheduler() -> dict[str, Any]:
     # Sized so that the embedded job shows the mechanism: 16 executions at once end in a cluster,
     # the core starts training on the first finished groups while the satellite serves the rest,
@@ -297,6 +306,10 @@ class RunConfig:
              "--resume needs the output folder of the run to continue (--out)")
         need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
+        # a program or script named relative to where the run starts: harnesses and evaluator
+        # commands run in their workspace, so such paths become absolute here
+        self.harness.command = [_absolute_if_file(a) for a in self.harness.command]
+        self.task.evaluator = [_absolute_if_file(a) for a in self.task.evaluator]
         if self.task.train and self.task.name == TaskSection.name:
             self.task.name = "file"  # a task file means the user's own tasks
         if self.task.name == "file":

@@ -2,8 +2,9 @@
 
 ``[task] train = "tasks.jsonl"`` (JSON lines, or a JSON list) holds one record per task. The
 prompt is the record's ``prompt``, or ``prompt_template`` formatted with the record's fields
-(``"Fix {repo}: {issue}"``). A record may name a file or folder in ``workspace`` (relative to the
-task file) that is copied into the execution's workspace before the harness starts.
+(``"Fix {repo}: {issue}"``). A record's ``workspace`` is a file or folder (relative to the task
+file) copied into the execution's workspace before the harness starts, or an object of
+``{"relative/path": "content"}`` written there (a task file that carries its repositories).
 
 The reward is either
 
@@ -143,9 +144,11 @@ def reward_value(value: Any) -> float | None:
 
 
 def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
-                          sandbox: Mapping[str, Any] | None) -> tuple[float | None, str]:
+                          sandbox: Mapping[str, Any] | None,
+                          record: Mapping[str, Any] | None = None) -> tuple[float | None, str]:
     """Run the task's evaluator command in the workspace (inside the sandbox when the run has
-    one): ``(reward or None for unresolved, detail)``. Never raises for what the command does."""
+    one; the task's record in ``GYRE_TASK_RECORD`` as JSON): ``(reward or None for unresolved,
+    detail)``. Never raises for what the command does."""
     argv, fds = list(cmd), ()
     if sandbox:
         from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
@@ -154,6 +157,7 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
         launch = wrap(argv, SandboxSpec.from_extra(sandbox), workdir, home)
         argv, fds = launch.argv, launch.pass_fds
     env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ}
+    env["GYRE_TASK_RECORD"] = json.dumps(dict(record or {}))
     try:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
@@ -191,10 +195,12 @@ def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str
     index, epoch = record_for_group(len(records), seed, group_id)
     record = records[index]
     workspace = record.get("workspace")
-    src = str((Path(options["train"]).resolve().parent / workspace).resolve()) if workspace else ""
+    files = workspace if isinstance(workspace, dict) else {}
+    src = str((Path(options["train"]).resolve().parent / workspace).resolve()) if isinstance(workspace, str) else ""
     return FileTaskInstance(index, epoch, record, render_prompt(record, str(options.get("prompt_template") or "")),
                             {"reward": str(options.get("reward") or ""),
-                             "evaluator": list(options.get("evaluator") or []), "workspace_src": src})
+                             "evaluator": list(options.get("evaluator") or []), "workspace_src": src,
+                             "workspace_files": {str(k): str(v) for k, v in files.items()}})
 
 
 @hookimpl
@@ -204,7 +210,8 @@ def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
         return None
     timeout = float(x.get("evaluator_timeout_s") or 60.0)
     if x.get("evaluator"):
-        value, detail = run_evaluator_command(x["evaluator"], state.branch, max(1.0, 0.9 * timeout), x.get("sandbox"))
+        value, detail = run_evaluator_command(x["evaluator"], state.branch, max(1.0, 0.9 * timeout), x.get("sandbox"),
+                                              x.get("record"))
     else:
         fn = load_reward(str(x["reward"]))
         outcome = {"harness_exit": x.get("harness_exit", 0), "harness_end": x.get("harness_end", "completed")}
