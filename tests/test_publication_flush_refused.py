@@ -76,7 +76,7 @@ def test_a_refused_flush_after_a_load_is_a_load(as_http_error: bool, flush_ok: b
 def test_the_refusal_does_not_hide_a_load_that_did_not_happen() -> None:
     engine = StubEngineAnswering(REFUSAL, raise_status=400, records_version=False)
     with pytest.raises(EngineError, match="weight_version '0' after loading 3"):
-        asyncio.run(load_published(engine, REF))  # type: ignore[arg-type]
+        asyncio.run(load_published(engine, REF, version_wait_s=0.2))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("answer", ["layout mismatch: model.embed_tokens.weight", {"success": False, "message": "torn pull"}])
