@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 
 
 class Mode(str, enum.Enum):
-    """Scheduling mode. All three are the same state machine (DESIGN.md §4)."""
+    """Scheduling mode. All three are the same state machine."""
 
     GYRE = "gyre"
     ASYNC = "async"
@@ -57,7 +57,7 @@ class ShortGroupRule(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Knobs of the elastic scheduler (notation of DESIGN.md §3).
+    """Knobs of the elastic scheduler (the paper's notation).
 
     ``async_training_cells`` is Async's fixed training pool (cells 0..m-1); ``streaming`` defaults to
     True for Gyre and False for the baselines (the paper's A0 and C0); ``oversample`` is N' ≥ N
@@ -157,7 +157,7 @@ class SchedulerConfig:
 
     @property
     def expected_staleness(self) -> float:
-        """E[d] = φ + (μ − 1)/2 (DESIGN.md §3, equation 2)."""
+        """E[d] = φ + (μ − 1)/2 (the paper's staleness law)."""
         return self.extra_dispatch + (self.steps_per_burst - 1) / 2
 
     def capacity(self, cells_in_training: int) -> int:

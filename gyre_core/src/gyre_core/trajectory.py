@@ -1,6 +1,6 @@
 """Trajectory types shared by the TITO proxy (which builds them) and the data plane (which trains on them).
 
-An execution's model calls are stored once, as a *trajectory tree* (DESIGN.md §5): each node holds
+An execution's model calls are stored once, as a *trajectory tree*: each node holds
 the tokens one call added -- its incremental input followed by its recorded output -- with a
 provenance per token and the behaviour log-probs of the tokens our engines sampled. A trajectory is
 a root-to-leaf path; selection admits some of them (:class:`SelectedTrajectory`) and the data plane

@@ -1,6 +1,6 @@
 """The serving side of a cell: an SGLang server switched in and out of rollout.
 
-*To training* (DESIGN.md §3, issue 3 §3), in this order, each phase timed:
+*To training*, in this order, each phase timed:
 
 1. ``stop_intake``  -- close Gyre's intake gate: new generation requests get 503 and the proxy
    sends them elsewhere;

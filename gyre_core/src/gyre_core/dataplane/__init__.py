@@ -1,4 +1,4 @@
-"""The data plane: from a terminated execution to a gradient (DESIGN.md §5).
+"""The data plane: from a terminated execution to a gradient.
 
 ``assessment`` turns evaluator answers into rewards and scheduler events; ``trajectory_buffer``
 holds scored executions by group until N valid rewards make the group ready; ``materialise``

@@ -1,6 +1,6 @@
 """Assessment of terminated executions: the reward, its validity, and what the scheduler is told.
 
-Rules (DESIGN.md §5, paper "Rewards"):
+Rules (the paper, "Rewards"):
 
 * An execution is assessed after it terminates -- including after a harness timeout -- against the
   state it left, which is preserved (:class:`~gyre_core.interfaces.StateRef`).

@@ -1,4 +1,4 @@
-"""The execution-level GSPO objective (paper §5 "Objective"; DESIGN.md §5).
+"""The execution-level GSPO objective (paper §5 "Objective").
 
 Notation: a training step consumes B groups of N executions, E = B·N. Execution ``e`` has
 advantage ``A_e`` and a set ``U_e`` of *unique* trainable tokens: targets of its selected

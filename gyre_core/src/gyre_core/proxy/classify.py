@@ -1,4 +1,4 @@
-"""Role classes of trajectory-tree leaves (DESIGN.md §3 item 7), as Claude Code marks them.
+"""Role classes of trajectory-tree leaves, as Claude Code marks them.
 
 Selection draws trajectories class by class -- main agent task-driving, main agent summary,
 sub-agent task-driving, sub-agent summary -- so every leaf needs a class. Harnesses mark

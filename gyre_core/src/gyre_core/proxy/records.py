@@ -24,7 +24,7 @@ __all__ = ["CallRecord", "ExecutionRecords", "json_logprobs"]
 
 @dataclass(frozen=True)
 class CallRecord:
-    """The TITO record of one model call (DESIGN.md §5): exact tokens plus where they came from."""
+    """The TITO record of one model call: exact tokens plus where they came from."""
 
     call_id: str
     execution_id: int

@@ -4,7 +4,7 @@ An execution stays on one engine for its whole life (its prefix stays hot in tha
 cache). When a cell switches to training, the orchestrator calls :meth:`EngineRouter.reroute`: the
 engine stops taking executions, and each execution on it is moved to a destination with reserved
 capacity -- standalone engines first, then rollout cells in descending cell index (they stay in
-rollout longest, DESIGN.md §3) -- so the retry of an aborted call lands where there is room.
+rollout longest) -- so the retry of an aborted call lands where there is room.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Choosing (φ, μ) for a target mean staleness: E[d] = φ + (μ − 1)/2 (DESIGN.md §3, eq. 2)."""
+"""Choosing (φ, μ) for a target mean staleness: E[d] = φ + (μ − 1)/2 (the staleness law)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ executions, and the batch being assembled. It performs no I/O and reads no clock
 the live orchestrator both drive this class, so a behaviour seen in simulation is the behaviour
 deployed.
 
-The rules are those of DESIGN.md §3 (numbers refer to its list):
+The rules (numbered as the code refers to them):
   (1) boundary dispatch: Q_b groups at start, the consumed (and dropped) slots refilled at each
       publication;
   (2) staleness of a consumed group = the step consuming it − its admission version;
@@ -616,7 +616,7 @@ class Scheduler:
 
     def _to_training(self, cells: "range | list[int]", out: list[ev.Command]) -> None:
         """Stop intake on the cells, reserve capacity elsewhere and reroute their executions there
-        (destination order of DESIGN.md §3), then switch them."""
+        (the router's destination order), then switch them."""
         for cell in cells:
             self._cells[cell] = CellState.TO_TRAINING
         destinations = self._destinations()
