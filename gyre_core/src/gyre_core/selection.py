@@ -1,7 +1,8 @@
 """Trajectory selection: which leaves of an execution's trajectory tree are trained on.
 
-Admission starts from the provenance mask -- only tokens our engines sampled (:attr:`Provenance.SAMPLED`) are trainable -- and draws trajectories
-one at a time, until no unmasked trainable token remains or ``j_max`` are admitted:
+Admission starts from the provenance mask -- only tokens our engines sampled
+(:attr:`Provenance.SAMPLED`) are trainable -- and draws trajectories one at a time, until no
+unmasked trainable token remains or ``j_max`` are admitted:
 
 1. take the highest-priority :class:`RoleClass` that still has a leaf whose root-to-leaf path
    holds an unmasked trainable token;

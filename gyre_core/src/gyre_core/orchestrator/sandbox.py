@@ -255,9 +255,6 @@ def wrap(argv: Sequence[str], sandbox: SandboxSpec, workdir: str, home: str) -> 
 # ----------------------------------------------------------------------------- the check
 
 
-PROBE = "gyre_core.orchestrator.sandbox_relay"
-
-
 def probe(argv_tail: Sequence[str] = ()) -> dict[str, Any]:
     """Start a real sandbox whose harness reports what it is (uid, capabilities, seccomp, what a
     ``mount`` and a Unix socket give) and return that report; raises ``RuntimeError`` with
