@@ -280,10 +280,18 @@ def test_packing_puts_every_trainable_token_in_exactly_one_micro_step_within_bud
     per_exec = Counter()
     where: dict[int, set] = {}
     length: Counter = Counter()
+    def key(r):  # micro-steps come through the queue as copies: compare rows by content
+        return (r.exec_slot, tuple(r.row.token_ids.tolist()), tuple(r.row.response_ids.tolist()))
+
+    all_rows = Counter(key(r) for m in micro for p in m.packs for r in p.rows)
     for m in micro:
         assert len(m.packs) == dp
         for k, p in enumerate(m.packs):
             assert p.tokens <= budget
+            # a split execution's part carries exactly its other rows, for the whole-execution ratio
+            slots = {r.exec_slot for r in p.rows}
+            others = Counter({r: n for r, n in all_rows.items() if r[0] in slots}) - Counter(map(key, p.rows))
+            assert Counter(map(key, p.outside)) == others
             for r in p.rows:
                 where.setdefault(r.row.execution_id, set()).add((m.index, k))
                 length[r.row.execution_id] += len(r)

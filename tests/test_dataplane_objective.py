@@ -247,3 +247,44 @@ def test_microstep_objective_on_whole_executions_is_the_batch_objective(seed: in
     expect = sum(1 for e in range(batch.n_executions)
                  if (adv[e] > 0 and s[e] > 1 + CFG.clip_high) or (adv[e] < 0 and s[e] < 1 - CFG.clip_low))
     assert execs == batch.n_executions and clipped == expect and expect > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_microstep_objective_on_split_executions_with_outside_sums_is_the_batch_objective(seed: int) -> None:
+    """Cut the batch anywhere, executions included: each part, given the ratio sums of its
+    executions' tokens held by the other parts, trains exactly the batch objective (every part of
+    an execution clipped on the whole execution's ratio), and the parts' figures add up to whole
+    executions. Without the outside sums the parts would not."""
+    from gyre_core.dataplane.objective import microstep_objective
+
+    batch, logp = random_batch(seed)
+    lp = logp.clone().requires_grad_()
+    gspo_loss(lp, batch, log_ratio_sums(logp, batch)).backward()
+    cuts = torch.randperm(len(logp), generator=torch.Generator().manual_seed(seed)) % 3
+    parts = [torch.nonzero(cuts == k).squeeze(1) for k in range(3)]
+
+    def sub(idx: torch.Tensor) -> TokenBatch:
+        return TokenBatch(batch.token_ids[idx], torch.tensor([0, len(idx)]), batch.loss_weights[idx],
+                          batch.behaviour_logprobs[idx], batch.advantages[idx], batch.exec_slots[idx],
+                          batch.n_executions)
+
+    sums = [log_ratio_sums(logp[idx], sub(idx)) for idx in parts]
+    total = sum(sums)
+    grads, alone, execs, clipped = torch.zeros_like(logp), torch.zeros_like(logp), 0.0, 0.0
+    for k, idx in enumerate(parts):
+        lpk = logp[idx].clone().requires_grad_()
+        loss, fig = microstep_objective(lpk, sub(idx), CFG, outside_sums=total - sums[k])
+        loss.backward()
+        grads[idx] = lpk.grad
+        execs += float(fig["executions"])
+        clipped += float(fig["clipped"])
+        lpa = logp[idx].clone().requires_grad_()
+        microstep_objective(lpa, sub(idx), CFG)[0].backward()
+        alone[idx] = lpa.grad
+    assert torch.allclose(grads, lp.grad, rtol=1e-12, atol=1e-18)
+    assert not torch.allclose(alone, lp.grad, rtol=1e-6, atol=1e-12)  # part-by-part clipping differs
+    adv = {int(s): float(a) for s, a in zip(batch.exec_slots, batch.advantages)}
+    s = torch.exp(total[0] / total[1])
+    expect = sum(1 for e in range(batch.n_executions)
+                 if (adv[e] > 0 and s[e] > 1 + CFG.clip_high) or (adv[e] < 0 and s[e] < 1 - CFG.clip_low))
+    assert execs == pytest.approx(batch.n_executions, rel=1e-12) and clipped == pytest.approx(expect, rel=1e-12)

@@ -7,6 +7,10 @@ the same weights (the export), in float64. Behaviour log-probs are the reference
 minus a chosen offset per execution, so each execution's ratio ``s_e = exp(offset)`` is known:
 inside the bounds, above them, below them, and with one token past the importance-weight cap.
 
+Executions longer than one pack are split over micro-steps (and cells): each part carries the
+others' rows, run forward only, so every part is clipped on the whole execution's ratio. The split
+cases give each part a different ratio, so clipping part by part would train a different gradient.
+
 Tolerance: Megatron runs in float32 against a float64 reference; gradients agree to 1e-5 of
 their largest entry (measured: ~1e-7), the loss to 1e-6 relative.
 """
@@ -33,6 +37,18 @@ SPIKE = {6: 2.5}
 EXPECTED_CLIPPED = 2
 JOIN_ATTEMPTS = 3
 
+# Executions 0-3 split: row 0 in their own micro-step, row 1 in the next. Per-row offsets make
+# the parts' ratios differ from the whole's (weighted by sampled tokens: 8 in row 0, 4-8 in row 1):
+#   e0 (0.008, -0.004), A > 0: whole inside, part 0 alone above  -> trained whole;
+#   e1 (0.003, 0.010), A > 0: whole above, part 0 alone inside   -> clipped whole;
+#   e2 (-0.008, 0.004), A < 0: whole inside, part 0 alone below  -> trained whole;
+#   e3 (-0.003, -0.010), A < 0: whole below, part 0 alone inside -> clipped whole;
+#   e4-e7 whole in one pack; e6 above with A > 0 -> clipped.
+SPLIT_OFFSETS = [(0.008, -0.004), (0.003, 0.010), (-0.008, 0.004), (-0.003, -0.010), 0.001, -0.002, 0.02, 0.0005]
+SPLIT_ADVANTAGES = [1.0, 1.0, -1.0, -0.5, 0.5, -0.7, 1.2, -0.3]
+SPLIT = (0, 1, 2, 3)
+SPLIT_CLIPPED = 3
+
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
 def world(request, tmp_path_factory):
@@ -40,13 +56,16 @@ def world(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
-    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=6) as w:
+    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=7) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
         hf = load_hf_qwen2(ref.location).double()
         yield w, hf
 
 
-def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig()) -> tuple[float, dict]:
+def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig(),
+               per_pack: bool = False) -> tuple[float, dict]:
+    """The batch loss and gradients with each execution's ratio over all its rows (or, with
+    ``per_pack``, over the rows in each pack: what clipping part by part would train)."""
     hf.zero_grad()
     batches = [p.to_batch() for m in micro for p in m.packs]
     lps = []
@@ -57,8 +76,9 @@ def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig
             toks = b.token_ids[a:z]
             rows.append(target_logprobs(hf(toks[None]).logits[0], toks, torch.tensor([0, z - a])))
         lps.append(torch.cat(rows))
-    sums = sum(log_ratio_sums(lp, b) for lp, b in zip(lps, batches))
-    loss = sum(gspo_loss(lp, b, sums, config) for lp, b in zip(lps, batches))
+    sums = [log_ratio_sums(lp, b) for lp, b in zip(lps, batches)]
+    total = sum(sums)
+    loss = sum(gspo_loss(lp, b, s if per_pack else total, config) for lp, b, s in zip(lps, batches, sums))
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().numpy().copy() for n, p in hf.named_parameters() if p.grad is not None}
 
@@ -91,6 +111,28 @@ def test_loss_and_gradients_equal_the_float64_reference(world) -> None:
     # what the run reports: executions seen, the clipped ones, the cap-breaking ratio
     assert fig["executions"] == len(OFFSETS) and fig["clipped"] == EXPECTED_CLIPPED
     assert fig["ratio_max"] == pytest.approx(np.exp(2.5 + OFFSETS[6]), rel=1e-3)
+
+
+def _worst(grads: dict, ref: dict) -> float:
+    return max(float(np.abs(grads[n] - ref[n]).max()) for n in ref)
+
+
+def test_split_executions_are_clipped_on_their_whole_ratio(world) -> None:
+    w, hf = world
+    micro = make_gspo_microsteps(hf, SPLIT_OFFSETS, SPLIT_ADVANTAGES, split=SPLIT, seed=7)
+    assert [bool(m.packs[0].outside) for m in micro] == [True, True, True, False]  # parts in micro-steps 0-2
+    ref_loss, ref_grads = _reference(hf, micro)
+    _, part_grads = _reference(hf, micro, per_pack=True)
+    grads, fig = _megatron(w, micro, 6)
+    scale = max(float(np.abs(g).max()) for g in ref_grads.values())
+    print(f"\nGSPO split pp{w.opts.pp}: grad max|diff| {_worst(grads, ref_grads):.3g} vs the whole-execution "
+          f"reference, {_worst(grads, part_grads):.3g} vs part-by-part clipping, of max|g| {scale:.3g}; {fig}")
+    assert _worst(part_grads, ref_grads) > 1e-2 * scale  # the case tells the two rules apart
+    assert _worst(grads, ref_grads) <= 1e-5 * scale
+    assert fig["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
+    # executions, not parts: the split ones count once each
+    assert fig["executions"] == pytest.approx(len(SPLIT_OFFSETS)) and fig["clipped"] == pytest.approx(SPLIT_CLIPPED)
+    assert fig["ratio_pass_tokens"] > 0
 
 
 def test_flipped_advantages_flip_the_gradient_and_zero_advantages_give_none(world) -> None:
@@ -141,28 +183,33 @@ def world_k2(tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
-    with World(RankOptions(cells=2, pp=1, normalise_by_tokens=False), n_queues=1 + JOIN_ATTEMPTS) as w:
+    opts = RankOptions(cells=2, pp=1, normalise_by_tokens=False, keep_update_grads=True)
+    with World(opts, n_queues=1 + JOIN_ATTEMPTS) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo-k2"))}, version=0)
         yield w, load_hf_qwen2(ref.location).double()
 
 
 @pytest.mark.mooncake
 def test_a_satellite_that_joins_trains_the_same_objective(world_k2) -> None:
-    """The same GSPO micro-steps, once on the core alone and once with a satellite that joins
-    mid-batch: the cells' losses add up to the reference, and the update is the same."""
+    """The same GSPO micro-steps, with executions split across them, once on the core alone and
+    once with a satellite that joins mid-batch: the update's gradient (reduced over the cells,
+    before the optimizer, where a scale error would show) equals the float64 reference both
+    times, the cells' losses add up to it, and the updated weights agree."""
     import time
 
     from gyre_megatron.testing import feed_in_bursts
 
     pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda + libibverbs1)")
     w, hf = world_k2
-    micro = make_gspo_microsteps(hf, OFFSETS, ADVANTAGES, spike=SPIKE, seed=5)
-    ref_loss, _ = _reference(hf, micro)
+    micro = make_gspo_microsteps(hf, SPLIT_OFFSETS, SPLIT_ADVANTAGES, split=SPLIT, seed=5)
+    ref_loss, ref_grads = _reference(hf, micro)
+    scale = max(float(np.abs(g).max()) for g in ref_grads.values())
     core, sat = w.ranks_of(0), w.ranks_of(1)
     w.call(core + sat, "save_state")
     tk = w.submit(core, "run_step", 0, 0)
     feed_in_bursts(w.queues[0], micro, burst=4, gap_s=0)
     alone = w.wait(tk, 120)
+    grads_alone = {k: v for r in w.call(core, "update_grads_hf") for k, v in r.items()}
     params_a = w.call(core, "params_numpy")
     w.call(core + sat, "restore_state")
     for attempt in range(1, JOIN_ATTEMPTS + 1):  # a loaded machine may let the core take every micro-step
@@ -179,13 +226,19 @@ def test_a_satellite_that_joins_trains_the_same_objective(world_k2) -> None:
         if b_sat[0].get("micro_steps", 0) >= 1:
             break
         w.call(core + sat, "restore_state")
+    grads_joined = {k: v for r in w.call(core, "update_grads_hf") for k, v in r.items()}
     assert b_sat[0]["joined"] and b_sat[0]["m"] == 2 and b_sat[0]["micro_steps"] >= 1, b_sat
+    assert set(grads_alone) == set(grads_joined) == set(ref_grads)
+    print(f"\nGSPO join: core {b_core[0]['micro_steps']} / satellite {b_sat[0]['micro_steps']} micro-steps; "
+          f"grad max|diff| alone {_worst(grads_alone, ref_grads):.3g}, joined {_worst(grads_joined, ref_grads):.3g} "
+          f"of max|g| {scale:.3g}")
+    assert _worst(grads_alone, ref_grads) <= 1e-5 * scale
+    assert _worst(grads_joined, ref_grads) <= 1e-5 * scale
     assert alone[0]["objective"]["loss"] == pytest.approx(ref_loss, rel=1e-6)
     joined = b_core[0]["objective"]["loss"] + b_sat[0]["objective"]["loss"]
-    print(f"\nGSPO join: core {b_core[0]['micro_steps']} / satellite {b_sat[0]['micro_steps']} micro-steps; "
-          f"loss alone {alone[0]['objective']['loss']:.9f}, joined {joined:.9f}, ref {ref_loss:.9f}")
     assert joined == pytest.approx(ref_loss, rel=1e-6)
-    assert b_core[0]["objective"]["clipped"] + b_sat[0]["objective"]["clipped"] == EXPECTED_CLIPPED
+    clipped = b_core[0]["objective"]["clipped"] + b_sat[0]["objective"]["clipped"]
+    assert clipped == pytest.approx(SPLIT_CLIPPED)
     params_b = w.call(core, "params_numpy")
     for pa, pb in zip(params_a, params_b):
         for name in pa:

@@ -85,6 +85,10 @@ class RankChecks:
         """This stage's accumulated gradients under HF Qwen2 names (the export's mapping)."""
         return self._as_hf({n: p.main_grad for n, p in self.ddp.module.named_parameters()})
 
+    def update_grads_hf(self) -> dict[str, Any]:
+        """Core, with ``keep_update_grads``: the last update's gradient (HF names), as the optimizer got it."""
+        return dict(getattr(self, "update_grads", {}))
+
     def stream_grads_hf(self, queue_idx: int) -> dict[str, Any]:
         """Cell-local: stream the queue through the pipeline, return the gradients (HF names)
         and, on the last stage, the objective's figures; applies no update, leaves no grads."""
@@ -94,7 +98,7 @@ class RankChecks:
         res = self._stream(self._control(queue_idx))
         out: dict[str, Any] = {"grads": self.grads_hf(), "micro_steps": res.micro_steps}
         if self.rank == self.last:
-            out["objective"] = objective_figures(res.losses)
+            out["objective"] = objective_figures(res.losses, res)
         self.zero_grads()
         return out
 

@@ -13,6 +13,11 @@ The loss is the core's objective, :func:`gyre_core.dataplane.objective.microstep
 current log-probs): additive over micro-steps and cells, already normalised per execution, so
 the trainer must not divide by the token count (``RankOptions.normalise_by_tokens = False``).
 Items without ``advantages`` (the tests' synthetic rows) keep the plain per-token loss.
+
+An execution too long for one pack is split over packs; each part's item carries the other parts'
+rows as forward-only ``outside`` items. The stream runs them without gradient before the part
+(:func:`gyre_megatron.streaming.run_streaming_1f1b`) and hands their log-ratio sums to the loss, so
+the part is clipped on the whole execution's ratio.
 """
 
 from __future__ import annotations
@@ -24,14 +29,8 @@ import torch
 __all__ = ["as_item", "microstep_to_item"]
 
 
-def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, float] | None = None) -> dict[str, Any]:
-    """``{tokens, labels, loss_mask, behaviour_logprobs, advantages, exec_slots, n_executions,
-    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the GSPO settings
-    ``(token_weight_cap, clip_low, clip_high)`` (the paper's by default)."""
-    pack = ms.packs[dp_rank]
-    rows = pack.rows
-    if not rows:
-        raise ValueError(f"micro-step {ms.index}: data-parallel rank {dp_rank} has an empty pack")
+def _padded(rows: Any) -> dict[str, torch.Tensor]:
+    """The per-token fields of ``rows`` as ``[rows, longest row]`` tensors, shifted by one."""
     width = max(len(r) for r in rows)
     shape = (len(rows), width)
     tokens = torch.zeros(shape, dtype=torch.int64)
@@ -48,11 +47,49 @@ def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, 
         behaviour[i, : n - 1] = r.row.behaviour_logprobs[1:].float()
         advantages[i, :] = float(r.advantage)
         slots[i, :] = int(r.exec_slot)
-    item: dict[str, Any] = {"tokens": tokens, "labels": labels, "loss_mask": weights,
-                            "behaviour_logprobs": behaviour, "advantages": advantages, "exec_slots": slots,
-                            "n_executions": torch.tensor(int(pack.n_executions)), "index": torch.tensor(ms.index)}
+    return {"tokens": tokens, "labels": labels, "loss_mask": weights, "behaviour_logprobs": behaviour,
+            "advantages": advantages, "exec_slots": slots}
+
+
+def _outside_chunks(pack: Any) -> list[dict[str, torch.Tensor]]:
+    """The pack's :attr:`~gyre_core.dataplane.packing.Pack.outside` rows as forward-only items of at
+    most the pack's own size in tokens (a row is never longer than the budget), so the ratio pass
+    needs no more activation memory than the training forward."""
+    limit = max(pack.tokens, max(len(r) for r in pack.outside))
+    chunks: list[list[Any]] = [[]]
+    room = limit
+    for r in pack.outside:
+        if len(r) > room and chunks[-1]:
+            chunks.append([])
+            room = limit
+        chunks[-1].append(r)
+        room -= len(r)
+    out = []
+    for rows in chunks:
+        item = _padded(rows)
+        del item["advantages"]
+        item["n_executions"] = torch.tensor(int(pack.n_executions))
+        item["ratio_only"] = torch.tensor(1)
+        out.append(item)
+    return out
+
+
+def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """``{tokens, labels, loss_mask, behaviour_logprobs, advantages, exec_slots, n_executions,
+    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the GSPO settings
+    ``(token_weight_cap, clip_low, clip_high)`` (the paper's by default). A pack with parts of split
+    executions adds ``outside``: forward-only items of their other rows (``ratio_only``), which
+    the stream runs before this one to complete each execution's ratio."""
+    pack = ms.packs[dp_rank]
+    rows = pack.rows
+    if not rows:
+        raise ValueError(f"micro-step {ms.index}: data-parallel rank {dp_rank} has an empty pack")
+    item: dict[str, Any] = {**_padded(rows), "n_executions": torch.tensor(int(pack.n_executions)),
+                            "index": torch.tensor(ms.index)}
     if objective is not None:
         item["objective"] = torch.tensor(objective, dtype=torch.float64)
+    if pack.outside:
+        item["outside"] = _outside_chunks(pack)
     return item
 
 

@@ -179,9 +179,29 @@ def _gspo_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
     )
     knobs = item.get("objective")
     config = GSPOConfig(*map(float, knobs.tolist())) if knobs is not None else GSPOConfig()
-    loss, stats = microstep_objective(logprobs, batch, config)
+    loss, stats = microstep_objective(logprobs, batch, config, item.get("outside_sums"))
     n = (batch.loss_weights > 0).sum().to(torch.int)
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone(), **stats}
+
+
+def _ratio_sums(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A forward-only item of a split execution's other rows: no loss, only their
+    ``[Σ W_t δ_t, Σ W_t]`` per execution for the part being trained (see :mod:`.microsteps`)."""
+    from gyre_core.dataplane.objective import TokenBatch, log_ratio_sums
+
+    labels = item["labels"].reshape(-1)
+    batch = TokenBatch(
+        token_ids=labels, cu_seqlens=torch.tensor([0, len(labels)], device=labels.device),
+        loss_weights=item["loss_mask"].reshape(-1).float(),
+        behaviour_logprobs=item["behaviour_logprobs"].reshape(-1).float(),
+        advantages=torch.zeros_like(labels, dtype=torch.float32),
+        exec_slots=item["exec_slots"].reshape(-1),
+        n_executions=int(item["n_executions"]),
+    )
+    sums = log_ratio_sums(-output_tensor.detach().float().reshape(-1).double(), batch)
+    zero = output_tensor.new_zeros((), dtype=torch.float32)
+    return zero, torch.zeros((), dtype=torch.int, device=labels.device), {"ratio_sums": sums}
 
 
 def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
@@ -196,6 +216,8 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
     tokens = item["tokens"]
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     out = model(tokens, position_ids, None, labels=item["labels"])
+    if "ratio_only" in item:
+        return out, partial(_ratio_sums, item)
     if "advantages" in item:
         return out, partial(_gspo_loss, item)
     return out, partial(_per_token_loss, item["loss_mask"])

@@ -90,6 +90,9 @@ class RankOptions:
     """Tensor-parallel width of every stage (megatron-core's column/row-parallel layers)."""
     precision: str = "fp32"
     """``fp32``, or ``bf16`` parameters with a float32 optimizer (see :data:`gyre_megatron.model.PRECISIONS`)."""
+    keep_update_grads: bool = False
+    """Tests: the core keeps each update's gradient (reduced over cells, before clipping and the
+    optimizer) for :meth:`~gyre_megatron.checks.RankChecks.update_grads_hf`."""
 
     @property
     def cell_size(self) -> int:
@@ -404,7 +407,7 @@ class CellRank(RankChecks):
         res = self._stream(control)
         info.update(micro_steps=res.micro_steps, pauses=res.pauses, claimed=control.claimed)
         if self.rank == self.last:
-            info["objective"] = objective_figures(res.losses)
+            info["objective"] = objective_figures(res.losses, res)
         # token count of this cell, from its last stage to every stage
         tokens = self._tokens_from_last(res.tokens)
         # the join window closes on the core once its stream has drained
@@ -495,7 +498,7 @@ class CellRank(RankChecks):
         info = {"rank": self.rank, "cell": self.cell, "micro_steps": res.micro_steps,
                 "claimed": control.claimed, "m": m}
         if self.rank == self.last:
-            info["objective"] = objective_figures(res.losses)
+            info["objective"] = objective_figures(res.losses, res)
         return self._finish(step, float(total), final, m, info)
 
     def _finish(self, step: int, total: float, final: bool, m: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -506,6 +509,8 @@ class CellRank(RankChecks):
             if self.opts.normalise_by_tokens:  # not for objectives whose W_t already normalise
                 for buf in self.grad_buffers():
                     buf.div_(max(total, 1.0))
+            if self.opts.keep_update_grads:
+                self.update_grads = self.grads_hf()
             local = self._local_grad_square()
             sq = torch.tensor([local], dtype=torch.float64)
             dist.all_reduce(sq, group=self.side_group)
@@ -535,11 +540,15 @@ class CellRank(RankChecks):
         return info
 
 
-def objective_figures(losses: Sequence[Any]) -> dict[str, float]:
+def objective_figures(losses: Sequence[Any], stream: Any = None) -> dict[str, float]:
     """This cell's share of a step's training figures, from the loss function's per-micro-step
     outputs (last stage): sums, except ``ratio_max``. Plain items contribute ``loss_sum`` and
-    ``tokens`` only."""
+    ``tokens`` only. With the stream's result, also the forward-only ratio pass over split
+    executions' other rows: its tokens and seconds."""
     out = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "ratio_max": 0.0, "tokens": 0.0}
+    if stream is not None:
+        out["ratio_pass_tokens"] = float(stream.outside_tokens)
+        out["ratio_pass_s"] = float(stream.outside_s)
     for d in losses:
         if not isinstance(d, dict):
             continue

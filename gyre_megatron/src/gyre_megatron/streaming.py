@@ -17,6 +17,12 @@ that many micro-batches, in the same order (warm-up forwards, steady 1F1B, cool-
 so there is one start-up and one drain per batch. Every stage is paused at the same logical point
 (just before consuming message ``k``), after all communication for earlier micro-batches has
 completed. Losses are per token (``calculate_per_token_loss``): no micro-batch count is needed.
+
+That pause point is also where a micro-step that holds part of a split execution gets its
+whole-execution ratio: its item's ``outside`` rows (the execution's other parts) run forward only,
+without gradient, through every stage before the item itself, and the last stage keeps their
+log-ratio sums in the item for its loss. All earlier communication has completed there and every
+stage knows the item, so this forward-only pass needs no extra coordination.
 """
 
 from __future__ import annotations
@@ -138,6 +144,9 @@ class StreamResult:
     """The loss function's third output per micro-step, on the last stage (in order)."""
     pauses: int = 0
     paused_s: float = 0.0
+    outside_tokens: int = 0
+    """Tokens run forward only for split executions' ratios."""
+    outside_s: float = 0.0
 
 
 def run_streaming_1f1b(
@@ -175,6 +184,30 @@ def run_streaming_1f1b(
         res.micro_steps += 1
         return y
 
+    def ratio_pass(item: dict[str, Any]) -> None:
+        """Forward-only over the item's ``outside`` rows; their sums go into the item (last stage)."""
+        t0 = time.monotonic()
+        sums = None
+        for chunk in item["outside"]:
+            x = p2p.recv_forward(shape_of(chunk))
+            kept: list[Any] = []
+            with torch.no_grad():
+                y, _ = compat.forward_step(forward_step_func, iter([chunk]), model, x, kept, config, p2p.is_last, 0)
+            p2p.send_forward(y)
+            res.outside_tokens += int(chunk["tokens"].numel())
+            if p2p.is_last:
+                part = kept[-1]["ratio_sums"]
+                sums = part if sums is None else sums + part
+        if sums is not None:
+            item["outside_sums"] = sums
+        res.outside_s += time.monotonic() - t0
+
+    def take() -> Any:
+        item = control.next_item()
+        if isinstance(item, dict) and item.get("outside"):
+            ratio_pass(item)
+        return item
+
     def backward(grad: Any) -> Any:
         x0, y0 = inputs.popleft(), outputs.popleft()
         shapes.popleft()
@@ -182,7 +215,7 @@ def run_streaming_1f1b(
 
     ended = False
     while len(outputs) < warmup:  # warm-up forwards
-        item = control.next_item()
+        item = take()
         if item is None:
             ended = True
             break
@@ -192,7 +225,7 @@ def run_streaming_1f1b(
         inputs.append(x), outputs.append(y), shapes.append(shape_of(item))
         deallocate_output_tensor(y[0] if isinstance(y, list) else y, config.deallocate_pipeline_outputs)
     if not ended:
-        item = control.next_item()
+        item = take()
         if item is None:
             ended = True
         else:
@@ -203,7 +236,7 @@ def run_streaming_1f1b(
         grad = p2p.send_forward_recv_backward(y, shapes[0])
         deallocate_output_tensor(y[0] if isinstance(y, list) else y, config.deallocate_pipeline_outputs)
         gin = backward(grad)
-        item = control.next_item()  # the pause point
+        item = take()  # the pause point
         if item is None:
             p2p.send_backward(gin)
             ended = True

@@ -180,21 +180,25 @@ def stop_nodes(procs: list[subprocess.Popen[bytes]], grace: float = 20.0) -> lis
     return codes
 
 
-def make_gspo_microsteps(hf: Any, offsets: Sequence[float], advantages: Sequence[float], execs_per_step: int = 2,
-                         rows_per_exec: int = 2, seq_len: int = 16, vocab: int = 128, seed: int = 0,
-                         spike: dict[int, float] | None = None) -> list[Any]:
-    """Data-plane micro-steps for GSPO checks, one pack each, every execution whole in its pack
-    (as the stream packer keeps them). Execution ``e`` has ``rows_per_exec`` rows of a context
-    prefix then sampled tokens; its behaviour log-probs are ``hf``'s own (float64) minus
-    ``offsets[e]``, so its execution ratio is exactly ``exp(offsets[e])`` under those weights;
-    ``spike[e]`` adds that much more to the first sampled token's ``δ`` (to reach the cap)."""
+def make_gspo_microsteps(hf: Any, offsets: Sequence[float | Sequence[float]], advantages: Sequence[float],
+                         execs_per_step: int = 2, rows_per_exec: int = 2, seq_len: int = 16, vocab: int = 128,
+                         seed: int = 0, spike: dict[int, float] | None = None,
+                         split: Sequence[int] = ()) -> list[Any]:
+    """Data-plane micro-steps for GSPO checks, one pack each. Execution ``e`` has ``rows_per_exec``
+    rows of a context prefix then sampled tokens; its behaviour log-probs are ``hf``'s own
+    (float64) minus ``offsets[e]`` (one number, or one per row), so its token ratios are known
+    exactly under those weights; ``spike[e]`` adds that much more to the first sampled token's
+    ``δ`` (to reach the cap). Executions are whole in their pack (as the stream packer keeps them)
+    except those in ``split``: their row ``j`` goes to the micro-step ``j`` after their own, and
+    each part's pack carries the other rows (``Pack.outside``) as the packer does."""
     from gyre_core.dataplane.materialise import TrainingRow
-    from gyre_core.dataplane.packing import MicroStep, Pack
+    from gyre_core.dataplane.packing import MicroStep, _pack
     from gyre_core.interfaces import RoleClass
     from gyre_core.trajectory import NO_RESPONSE, TrajectoryRow
 
     n_exec = len(offsets)
     assert len(advantages) == n_exec and n_exec % execs_per_step == 0
+    n_micro = n_exec // execs_per_step
     g = torch.Generator().manual_seed(seed)
     spike = dict(spike or {})
     rows_of: list[list[Any]] = []
@@ -202,6 +206,8 @@ def make_gspo_microsteps(hf: Any, offsets: Sequence[float], advantages: Sequence
         rows = []
         sampled = 0
         specs = []
+        per_row = offsets[e] if isinstance(offsets[e], (list, tuple)) else [offsets[e]] * rows_per_exec
+        assert len(per_row) == rows_per_exec
         for j in range(rows_per_exec):
             length = seq_len if j == 0 else int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
             specs.append((length, length // 2))
@@ -213,7 +219,7 @@ def make_gspo_microsteps(hf: Any, offsets: Sequence[float], advantages: Sequence
             lp = torch.cat([torch.zeros(1, dtype=torch.float64), lp])
             mask = torch.zeros(length, dtype=torch.bool)
             mask[ctx:] = True
-            delta = torch.full((length,), float(offsets[e]), dtype=torch.float64)
+            delta = torch.full((length,), float(per_row[j]), dtype=torch.float64)
             if j == 0 and e in spike:
                 delta[ctx] += spike[e]
             behaviour = torch.where(mask, lp - delta, torch.zeros(length, dtype=torch.float64)).float()
@@ -223,8 +229,10 @@ def make_gspo_microsteps(hf: Any, offsets: Sequence[float], advantages: Sequence
             weights = torch.where(mask, torch.full((length,), 1.0 / (n_exec * sampled)), torch.zeros(length))
             rows.append(TrainingRow(row, e, float(advantages[e]), weights))
         rows_of.append(rows)
-    out = []
-    for i in range(n_exec // execs_per_step):
-        packed = tuple(r for e in range(i * execs_per_step, (i + 1) * execs_per_step) for r in rows_of[e])
-        out.append(MicroStep(0, i, (Pack(packed, n_exec),)))
-    return out
+    placed: list[list[Any]] = [[] for _ in range(n_micro)]
+    for e, rows in enumerate(rows_of):
+        home = e // execs_per_step
+        for j, r in enumerate(rows):
+            placed[(home + j) % n_micro if e in split else home].append(r)
+    parts = {e: tuple(rows_of[e]) for e in split}
+    return [MicroStep(0, i, (_pack(tuple(rows), n_exec, parts),)) for i, rows in enumerate(placed)]

@@ -24,11 +24,14 @@ trajectories, a response shared by several of them counted once. For a token ``t
   the rows, which makes the loss a plain sum over tokens: micro-steps of one batch spread over
   cells give the batch loss (and gradient) by summation, with no cross-micro-step normaliser.
 
-``s_e`` needs every token of the execution, and an execution's rows may land in different
-micro-steps. Its numerator and denominator (``Σ W_t δ_t`` and ``Σ W_t``) are sums too:
-:func:`log_ratio_sums` gives them per micro-step, the caller adds them over the batch (in a
-forward-only pass; π_θ is fixed during a step because the optimizer updates once per step) and
-passes the total to :func:`gspo_loss`.
+``s_e`` needs every token of the execution, and an execution longer than one pack is split over
+micro-steps (and possibly over cells). Its numerator and denominator (``Σ W_t δ_t`` and ``Σ W_t``)
+are sums: :func:`log_ratio_sums` gives them for the rows at hand. A pack holding part of a split
+execution also carries that execution's other rows (:attr:`gyre_core.dataplane.packing.Pack.outside`);
+the trainer runs them forward only, without gradient, and passes their sums as ``outside_sums`` to
+:func:`microstep_objective`, so every part is clipped on the whole execution's ``s_e``, whichever
+cell trains it. π_θ is fixed during a step (the optimizer updates once per step), so every part
+sees the same ratio. The cost is one extra forward of a split execution's other rows per part.
 """
 
 from __future__ import annotations
@@ -158,28 +161,35 @@ def gspo_loss(
 
 
 def microstep_objective(
-    logprobs: torch.Tensor, batch: TokenBatch, config: GSPOConfig = GSPOConfig()
+    logprobs: torch.Tensor,
+    batch: TokenBatch,
+    config: GSPOConfig = GSPOConfig(),
+    outside_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss share of one pack whose executions are whole inside it, and its figures.
+    """This pack's share of the batch loss, and its figures.
 
-    The stream packer keeps every row of an execution in one pack whenever they fit the token
-    budget together (:class:`gyre_core.dataplane.packing.StreamPackingBuffer`), so the execution
-    ratios ``s_e`` are complete within the pack and a trainer needs no pass over the rest of the
-    batch before it can take a gradient: this is :func:`gspo_loss` with ``ratio_sums`` from the
-    pack itself. (An execution too long for one pack is split by the packer; its ratio is then
-    taken over the part in each pack.)
+    ``outside_sums`` (shape ``(2, E)``) are :func:`log_ratio_sums` of the rows of this pack's split
+    executions that other packs hold (the trainer's forward-only pass over
+    :attr:`~gyre_core.dataplane.packing.Pack.outside`); with them every execution's ratio is its
+    whole-execution ``s_e``. Without them the ratio is taken over the rows in this pack, which is
+    exact for every execution the packer kept whole.
 
     The figures (detached, additive over packs except ``ratio_max``): ``loss``; ``executions``
     and ``clipped`` (executions with a trainable token here, and those whose ``s_e`` left the
-    bounds in the direction of their advantage); ``ratio_sum``, ``ratio_max`` and ``tokens`` over
-    the weighted tokens' raw ratios ``π/π_b``.
+    bounds in the direction of their advantage; a split execution counts in each pack by the
+    share of its weight ``Σ W_t`` held there, so the parts add up to one execution);
+    ``ratio_sum``, ``ratio_max`` and ``tokens`` over the weighted tokens' raw ratios ``π/π_b``.
     """
-    sums = log_ratio_sums(logprobs, batch)
+    here = log_ratio_sums(logprobs, batch)
+    sums = here if outside_sums is None else here + outside_sums.to(here.dtype)
     loss = gspo_loss(logprobs, batch, sums, config)
     with torch.no_grad():
-        present = sums[1] > 0
-        log_s = torch.where(present, sums[0] / sums[1].clamp_min(torch.finfo(sums.dtype).tiny), 0.0)
+        present = here[1] > 0
+        tiny = torch.finfo(sums.dtype).tiny
+        log_s = torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(tiny), 0.0)
         s = torch.exp(log_s)
+        total_w = sums[1].to(torch.float64)
+        share = torch.where(present, here[1].to(torch.float64) / total_w.clamp_min(tiny), 0.0)  # 1 if whole
         adv = torch.zeros(batch.n_executions, dtype=sums.dtype, device=sums.device)
         adv[batch.exec_slots] = batch.advantages.to(sums.dtype)  # one advantage per execution
         clipped = present & (((adv > 0) & (s > 1 + config.clip_high)) | ((adv < 0) & (s < 1 - config.clip_low)))
@@ -187,8 +197,8 @@ def microstep_objective(
         ratio = torch.exp(_deltas(logprobs.detach(), batch))[weighted]
         stats = {
             "loss": loss.detach().to(torch.float64),
-            "executions": present.sum().to(torch.float64),
-            "clipped": clipped.sum().to(torch.float64),
+            "executions": share.sum(),
+            "clipped": (share * clipped).sum(),
             "ratio_sum": ratio.to(torch.float64).sum(),
             "ratio_max": ratio.max().to(torch.float64) if len(ratio) else torch.zeros((), dtype=torch.float64),
             "tokens": weighted.sum().to(torch.float64),

@@ -17,7 +17,9 @@ Packing: a micro-step holds one pack per data-parallel rank, each at most ``toke
 (trainable and context). The unit of packing is an execution: all its rows go into one pack, so
 the objective's execution ratio is complete there and a trainer can take each micro-step's
 gradient as it arrives (:func:`gyre_core.dataplane.objective.microstep_objective`); only an
-execution whose rows together exceed the budget is split, row by row. A pack is filled best-fit
+execution whose rows together exceed the budget is split, row by row. A pack holding part of a
+split execution carries the execution's other rows in :attr:`Pack.outside`: the trainer runs them
+forward only, so the part is clipped on the whole execution's ratio, whichever cell trains it. A pack is filled best-fit
 decreasing: start with the longest pooled unit, then repeatedly add the longest that still fits. Before the stream closes a micro-step is only
 emitted if every pack is at least ``min_fill`` full -- short auxiliary rows of later groups fill
 the gaps -- unless the pool already holds ``max_pending_micro_steps`` worth of tokens, so a pool of
@@ -58,9 +60,9 @@ class PackingConfig:
     low_watermark: int = 2
     max_pending_micro_steps: float = 4.0
     whole_executions: bool = True
-    """Keep all rows of an execution in one pack when they fit the budget together, so the
-    objective's execution ratio is exact in every micro-step. ``False`` packs row by row (about
-    2 points more efficient on long-tailed lengths; a split execution's ratio is then per pack)."""
+    """Keep all rows of an execution in one pack when they fit the budget together. ``False``
+    packs row by row: about 2 points more efficient on long-tailed lengths, at the price of a
+    forward-only pass over each split execution's other rows (:attr:`Pack.outside`)."""
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.dp_size < 1:
@@ -77,6 +79,9 @@ class Pack:
 
     rows: tuple[TrainingRow, ...]
     n_executions: int
+    outside: tuple[TrainingRow, ...] = ()
+    """Rows of this pack's split executions that other packs hold: run forward only, without
+    gradient, for the whole-execution ratio (not trained here, not counted in :attr:`tokens`)."""
 
     @property
     def tokens(self) -> int:
@@ -89,14 +94,7 @@ class Pack:
         storage separately at a fixed cost; a pack of many short rows would otherwise pay it
         dozens of times.
         """
-        if not self.rows:
-            return (Pack, ((), self.n_executions))
-        flat = tuple(torch.cat(column) for column in zip(*map(_row_tensors, self.rows)))
-        meta: tuple[_RowMeta, ...] = tuple(
-            (r.row.execution_id, r.row.group_id, int(r.row.role), r.exec_slot, r.advantage, len(r))
-            for r in self.rows
-        )
-        return (_unflatten_pack, (flat, meta, self.n_executions))
+        return (_unflatten_pack, (*_flatten(self.rows), self.n_executions, *_flatten(self.outside)))
 
     def to_batch(self) -> TokenBatch:
         """The flat per-token tensors the objective reads (see :class:`TokenBatch`)."""
@@ -128,14 +126,28 @@ def _row_tensors(r: TrainingRow) -> tuple[torch.Tensor, ...]:
     return (r.row.token_ids, r.row.loss_mask, r.row.behaviour_logprobs, r.row.response_ids, r.loss_weights)
 
 
-def _unflatten_pack(flat: tuple[torch.Tensor, ...], meta: tuple[_RowMeta, ...], n_executions: int) -> Pack:
+def _flatten(rows: tuple[TrainingRow, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[_RowMeta, ...]]:
+    if not rows:
+        return (), ()
+    flat = tuple(torch.cat(column) for column in zip(*map(_row_tensors, rows)))
+    meta = tuple((r.row.execution_id, r.row.group_id, int(r.row.role), r.exec_slot, r.advantage, len(r)) for r in rows)
+    return flat, meta
+
+
+def _unflatten(flat: tuple[torch.Tensor, ...], meta: tuple[_RowMeta, ...]) -> tuple[TrainingRow, ...]:
+    if not meta:
+        return ()
     lengths = [m[-1] for m in meta]
     parts = [torch.split(f, lengths) for f in flat]
-    rows = tuple(
+    return tuple(
         TrainingRow(TrajectoryRow(eid, gid, RoleClass(role), *(p[i] for p in parts[:4])), slot, adv, parts[4][i])
         for i, (eid, gid, role, slot, adv, _) in enumerate(meta)
     )
-    return Pack(rows, n_executions)
+
+
+def _unflatten_pack(flat: tuple[torch.Tensor, ...], meta: tuple[_RowMeta, ...], n_executions: int,
+                    outside_flat: tuple[torch.Tensor, ...] = (), outside_meta: tuple[_RowMeta, ...] = ()) -> Pack:
+    return Pack(_unflatten(flat, meta), n_executions, _unflatten(outside_flat, outside_meta))
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,24 +207,32 @@ class _RowPool:
         return out
 
 
-def _units(rows: list[TrainingRow], budget: int, whole: bool = True) -> tuple[list[_Unit], int]:
+def _units(rows: list[TrainingRow], budget: int, whole: bool = True
+           ) -> tuple[list[_Unit], dict[int, tuple[TrainingRow, ...]]]:
     """One unit per execution, so its ratio ``s_e`` is complete in one pack; an execution whose
     rows together exceed the budget (or every execution, with ``whole=False``) is split into one
-    unit per row. Also: how many executions with several rows were split."""
+    unit per row. Also: the rows of each split execution with several rows, by slot."""
     by_exec: dict[int, list[TrainingRow]] = {}
     for r in rows:
         by_exec.setdefault(r.exec_slot, []).append(r)
-    if not whole:
-        return [(r,) for r in rows], sum(1 for members in by_exec.values() if len(members) > 1)
     out: list[_Unit] = []
-    split = 0
-    for members in by_exec.values():
-        if sum(len(r) for r in members) <= budget:
+    split: dict[int, tuple[TrainingRow, ...]] = {}
+    for slot, members in by_exec.items():
+        if whole and sum(len(r) for r in members) <= budget:
             out.append(tuple(members))
         else:
             out.extend((r,) for r in members)
-            split += 1
+            if len(members) > 1:
+                split[slot] = tuple(members)
     return out, split
+
+
+def _pack(rows: tuple[TrainingRow, ...], n_executions: int, split: dict[int, tuple[TrainingRow, ...]]) -> Pack:
+    """A pack of ``rows``, carrying the rows of its split executions that it does not hold."""
+    held = {id(r) for r in rows}
+    slots = dict.fromkeys(r.exec_slot for r in rows if r.exec_slot in split)
+    outside = tuple(r for s in slots for r in split[s] if id(r) not in held)
+    return Pack(rows, n_executions, outside)
 
 
 class StreamPackingBuffer:
@@ -238,7 +258,12 @@ class StreamPackingBuffer:
         self.micro_steps = 0
         self.tokens_emitted = 0
         self.split_executions = 0
-        """Executions whose rows did not fit one pack together (their ratio is per pack)."""
+        """Executions whose rows did not fit one pack together (their parts carry the others'
+        rows for the whole-execution ratio: :attr:`Pack.outside`)."""
+        self.outside_tokens = 0
+        """Tokens the trainer runs forward only for split executions' ratios (the cost of
+        exactness): summed over the packs that carry them."""
+        self._split: dict[int, tuple[TrainingRow, ...]] = {}
         self.masked_nonfinite = 0
         """Sampled tokens not trained because their recorded log-prob was not finite."""
         self.rows_over_budget = 0
@@ -284,7 +309,8 @@ class StreamPackingBuffer:
             self.assigned.append(group_id)
             self._pulls = max(0, self._pulls - 1)
             units, split = _units(rows, self.config.token_budget, self.config.whole_executions)
-            self.split_executions += split
+            self.split_executions += len(split)
+            self._split.update(split)
             self.masked_nonfinite += sum(r.row.masked_nonfinite for r in rows)
             for u in units:
                 self._pool.add(u)
@@ -345,7 +371,9 @@ class StreamPackingBuffer:
                         self._pool.add(u)
                 return
             micro = MicroStep(self.step, self.micro_steps,
-                              tuple(Pack(tuple(r for u in p for r in u), self.n_executions) for p in packs))
+                              tuple(_pack(tuple(r for u in p for r in u), self.n_executions, self._split)
+                                    for p in packs))
+            self.outside_tokens += sum(len(r) for p in micro.packs for r in p.outside)
             self._queue.put(micro)
             self._sent[micro.index] = micro
             self.micro_steps += 1

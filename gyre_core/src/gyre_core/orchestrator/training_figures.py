@@ -17,7 +17,8 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
     reports its objective figures, the core its gradient norm): loss, grad norm, the fraction of
     executions clipped, mean and max importance ratio π/π_b over trained tokens, tokens trained.
     ``None`` where a backend reported nothing."""
-    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0}
+    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0,
+                               "ratio_pass_tokens": 0.0, "ratio_pass_s": 0.0}
     ratio_max, grad_norm, seen = 0.0, None, False
     for infos in cell_infos:
         for info in infos:
@@ -31,7 +32,7 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
                 grad_norm = float(info["grad_norm"])
     if not seen:
         return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "ratio_mean": None,
-                "ratio_max": None, "tokens": None}
+                "ratio_max": None, "tokens": None, "ratio_pass_tokens": None, "ratio_pass_s": None}
     return {
         "loss": round(total["loss"], 6),
         "grad_norm": None if grad_norm is None else round(grad_norm, 6),
@@ -39,4 +40,7 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
         "ratio_mean": round(total["ratio_sum"] / total["tokens"], 4) if total["tokens"] else None,
         "ratio_max": round(ratio_max, 4) if total["tokens"] else None,
         "tokens": int(total["tokens"]),
+        # the forward-only pass that gives split executions their whole-execution ratio
+        "ratio_pass_tokens": int(total["ratio_pass_tokens"]),
+        "ratio_pass_s": round(total["ratio_pass_s"], 3),
     }
