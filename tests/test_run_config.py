@@ -80,7 +80,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"training.tp": "4"}, "training.tp"),
     ({"sampling.top_p": "5"}, "sampling.top_p"),
     ({"sampling.top_p": "0.9"}, "sampling.top_p"),
-    ({"sampling.temperature": "0.7"}, "sampling.temperature"),
+    ({"sampling.temperature": "0"}, "sampling.temperature"),
     ({"proxy.host": '""'}, "proxy.host"),
     ({"training.clip_grad": "-1"}, "training.clip_grad"),
     ({"training.step_timeout_s": "0"}, "training.step_timeout_s"),

@@ -22,7 +22,9 @@ pytest.importorskip("megatron.core")
 
 def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    summary, console = run_job(out, timeout=840)
+    # sampled at temperature 0.7: engines report log-probs of softmax(logits / 0.7), and the trainer
+    # must take its own at the same temperature for the on-policy ratio below to be 1
+    summary, console = run_job(out, "--set", "sampling.temperature=0.7", timeout=840)
     # a healthy run's console holds Gyre's lines only: upstream's every-run notices went to the logs
     for noise in ("Local segment descriptor not found", "InitGoogleLogging", "Transformer Engine and Apex",
                   "Writing model shards", "transfer_engine_impl.cpp"):
@@ -75,8 +77,9 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
     for rec in summary["step_records"]:
         assert rec["tokens"] > 0 and rec["grad_norm"] > 0 and rec["loss"] is not None
         # on-policy (the default's φ = 0, μ = 1: staleness 0), the trainer's log-probs are the
-        # engine's up to float noise: the ratio is 1 (measured: mean 1.0000, max 1.0009) and
-        # nothing is clipped; a wrong temperature, a lost token or stale weights would show here
+        # engine's up to float noise: the ratio is 1 (measured at temperature 1: mean 1.0000, max
+        # 1.0009) and nothing is clipped; a wrong temperature, a lost token or stale weights would
+        # show here
         assert rec["staleness"] == [0] * len(rec["staleness"]), rec["staleness"]
         assert abs(rec["ratio_mean"] - 1.0) <= 1e-3 and rec["ratio_max"] <= 1.01, rec
         assert rec["clip_fraction"] == 0.0, rec

@@ -56,14 +56,14 @@ def world(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
-    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=7) as w:
+    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=8) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
         hf = load_hf_qwen2(ref.location).double()
         yield w, hf
 
 
 def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig(),
-               per_pack: bool = False) -> tuple[float, dict]:
+               per_pack: bool = False, temperature: float = 1.0) -> tuple[float, dict]:
     """The batch loss and gradients with each execution's ratio over all its rows (or, with
     ``per_pack``, over the rows in each pack: what clipping part by part would train)."""
     hf.zero_grad()
@@ -74,7 +74,7 @@ def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig
         for k in range(len(b.cu_seqlens) - 1):
             a, z = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
             toks = b.token_ids[a:z]
-            rows.append(target_logprobs(hf(toks[None]).logits[0], toks, torch.tensor([0, z - a])))
+            rows.append(target_logprobs(hf(toks[None]).logits[0] / temperature, toks, torch.tensor([0, z - a])))
         lps.append(torch.cat(rows))
     sums = [log_ratio_sums(lp, b) for lp, b in zip(lps, batches)]
     total = sum(sums)
@@ -133,6 +133,22 @@ def test_split_executions_are_clipped_on_their_whole_ratio(world) -> None:
     # executions, not parts: the split ones count once each
     assert fig["executions"] == pytest.approx(len(SPLIT_OFFSETS)) and fig["clipped"] == pytest.approx(SPLIT_CLIPPED)
     assert fig["ratio_pass_tokens"] > 0
+
+
+def test_calls_sampled_at_a_temperature_are_trained_at_it(world) -> None:
+    """Behaviour log-probs of softmax(logits / 0.7), as SGLang reports them: the trainer's ratios
+    are those of the tempered distribution (each execution's s_e as planned, the spike capped) and
+    the gradient is the tempered reference's."""
+    w, hf = world
+    micro = make_gspo_microsteps(hf, OFFSETS, ADVANTAGES, spike=SPIKE, seed=8, split=(0, 1), temperature=0.7)
+    ref_loss, ref_grads = _reference(hf, micro, temperature=0.7)
+    grads, fig = _megatron(w, micro, 7)
+    scale = max(float(np.abs(g).max()) for g in ref_grads.values())
+    print(f"\nGSPO T=0.7 pp{w.opts.pp}: grad max|diff| {_worst(grads, ref_grads):.3g} of max|g| {scale:.3g}; {fig}")
+    assert _worst(grads, ref_grads) <= 1e-5 * scale
+    assert fig["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
+    assert fig["clipped"] == pytest.approx(EXPECTED_CLIPPED)
+    assert fig["ratio_max"] == pytest.approx(np.exp(2.5 + OFFSETS[6]), rel=1e-3)
 
 
 def test_flipped_advantages_flip_the_gradient_and_zero_advantages_give_none(world) -> None:

@@ -14,6 +14,7 @@ as a shape error inside a training step.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -71,7 +72,9 @@ class TreeNode:
     ``parent`` is ``None`` for a node attached to the (implicit) root: a request that matched no
     stored prefix. ``logprobs`` are the behaviour log-probs recorded for ``SAMPLED`` tokens and
     ``0.0`` elsewhere (kept finite everywhere so that a masked position can never leak a NaN into a
-    loss through ``0 * nan``).
+    loss through ``0 * nan``). ``temperature`` is the sampling temperature of the call: the
+    behaviour log-probs are those of ``softmax(logits / temperature)``, and the trainer takes its
+    own log-probs of the same tokens at the same temperature.
     """
 
     node_id: int
@@ -80,6 +83,7 @@ class TreeNode:
     provenance: torch.Tensor
     logprobs: torch.Tensor
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         tok = _as_1d("token_ids", self.token_ids, torch.int64)
@@ -103,6 +107,9 @@ class TreeNode:
             raise ValueError(f"{where}: log-probs must be finite (0.0 where not sampled)")
         if bool((lp[prov == Provenance.SAMPLED] > 0).any()):
             raise ValueError(f"{where}: a sampled token's log-prob is > 0")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"{where}: temperature must be finite and > 0, got {self.temperature}")
+        object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "token_ids", tok)
         object.__setattr__(self, "provenance", prov)
         object.__setattr__(self, "logprobs", lp)
@@ -199,18 +206,24 @@ class TrajectoryRow:
     response_ids: torch.Tensor
     masked_nonfinite: int = 0
     """Sampled tokens left out of the targets because their recorded log-prob was not finite."""
+    temperatures: torch.Tensor | None = None
+    """Per token, the sampling temperature its log-prob was taken at (all 1.0 when omitted)."""
 
     def __post_init__(self) -> None:
         tok = _as_1d("token_ids", self.token_ids, torch.int64)
+        temps = (torch.ones(len(tok), dtype=torch.float32) if self.temperatures is None
+                 else _as_1d("temperatures", self.temperatures, torch.float32))
         mask = _as_1d("loss_mask", self.loss_mask, torch.bool)
         lp = _as_1d("behaviour_logprobs", self.behaviour_logprobs, torch.float32)
         rid = _as_1d("response_ids", self.response_ids, torch.int64)
         where = f"execution {self.execution_id} ({RoleClass(self.role).name})"
-        if not (len(tok) == len(mask) == len(lp) == len(rid)):
+        if not (len(tok) == len(mask) == len(lp) == len(rid) == len(temps)):
             raise ValueError(
-                f"{where}: token_ids, loss_mask, behaviour_logprobs and response_ids disagree in "
-                f"length ({len(tok)}, {len(mask)}, {len(lp)}, {len(rid)})"
+                f"{where}: token_ids, loss_mask, behaviour_logprobs, response_ids and temperatures "
+                f"disagree in length ({len(tok)}, {len(mask)}, {len(lp)}, {len(rid)}, {len(temps)})"
             )
+        if not bool((torch.isfinite(temps) & (temps > 0)).all()):
+            raise ValueError(f"{where}: temperatures must be finite and > 0")
         if len(tok) == 0:
             raise ValueError(f"{where}: empty row")
         if bool((tok < 0).any()):
@@ -230,6 +243,7 @@ class TrajectoryRow:
         object.__setattr__(self, "loss_mask", mask)
         object.__setattr__(self, "behaviour_logprobs", lp)
         object.__setattr__(self, "response_ids", rid)
+        object.__setattr__(self, "temperatures", temps)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -267,4 +281,6 @@ class TrajectoryRow:
             behaviour_logprobs=torch.where(finite, logprobs, torch.zeros_like(logprobs)),
             response_ids=torch.where(sampled, node_ids, NO_RESPONSE),
             masked_nonfinite=int((targets & ~finite).sum()),
+            temperatures=torch.repeat_interleave(torch.tensor([n.temperature for n in path], dtype=torch.float32),
+                                                 lengths),
         )

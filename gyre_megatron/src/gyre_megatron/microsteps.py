@@ -6,7 +6,9 @@ row's execution slot and advantage. The rows of a pack become the batch dimensio
 the longest row, so each row attends only to itself with the plain causal mask (packed-sequence
 attention across row boundaries needs TransformerEngine's THD kernels, which the CPU local spec
 lacks). Position ``t`` predicts token ``t+1`` of its row, so every per-token field is shifted by
-one (``W_{t+1}``, ``log π_b(t+1)``); padding and context tokens weigh 0.
+one (``W_{t+1}``, ``log π_b(t+1)``); padding and context tokens weigh 0. Where a call sampled at a
+temperature other than 1 the item carries ``temperature`` per label, and the log-probs are taken
+of ``softmax(logits / T)``, the distribution the engine sampled from and reported.
 
 The loss is the core's objective, :func:`gyre_core.dataplane.objective.microstep_objective`
 (called by :func:`gyre_megatron.model.gpt_forward_step` on the last pipeline stage with the
@@ -39,6 +41,7 @@ def _padded(rows: Any) -> dict[str, torch.Tensor]:
     behaviour = torch.zeros(shape, dtype=torch.float32)
     advantages = torch.zeros(shape, dtype=torch.float32)
     slots = torch.zeros(shape, dtype=torch.int64)
+    temps = torch.ones(shape, dtype=torch.float32)
     for i, r in enumerate(rows):
         n = len(r)
         tokens[i, :n] = r.row.token_ids
@@ -47,8 +50,12 @@ def _padded(rows: Any) -> dict[str, torch.Tensor]:
         behaviour[i, : n - 1] = r.row.behaviour_logprobs[1:].float()
         advantages[i, :] = float(r.advantage)
         slots[i, :] = int(r.exec_slot)
-    return {"tokens": tokens, "labels": labels, "loss_mask": weights, "behaviour_logprobs": behaviour,
-            "advantages": advantages, "exec_slots": slots}
+        temps[i, : n - 1] = r.row.temperatures[1:]
+    out = {"tokens": tokens, "labels": labels, "loss_mask": weights, "behaviour_logprobs": behaviour,
+           "advantages": advantages, "exec_slots": slots}
+    if bool((temps != 1).any()):  # the sampling temperature of each label's call (1 is the model's own)
+        out["temperature"] = temps
+    return out
 
 
 def _outside_chunks(pack: Any) -> list[dict[str, torch.Tensor]]:

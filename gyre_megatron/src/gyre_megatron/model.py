@@ -204,6 +204,23 @@ def _ratio_sums(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
     return zero, torch.zeros((), dtype=torch.int, device=labels.device), {"ratio_sums": sums}
 
 
+def _last_stage(model: Any) -> bool:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return bool(get_attr_wrapped_model(model, "post_process"))
+
+
+def tempered_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``−log softmax(logits / T)[label]`` per position ([b, s]), with the vocabulary split over
+    the tensor-parallel ranks as GPTModel leaves it: megatron-core's own vocab-parallel cross
+    entropy on the scaled logits (what ``GPTModel`` computes when ``T = 1``)."""
+    from megatron.core import tensor_parallel
+
+    scaled = (logits.float() / temperature.to(logits.device, torch.float32).unsqueeze(-1)).transpose(0, 1)
+    loss = tensor_parallel.vocab_parallel_cross_entropy(scaled.contiguous(), labels.transpose(0, 1).contiguous())
+    return loss.transpose(0, 1).contiguous()
+
+
 def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
     """Megatron forward-step function for an item ``{tokens, labels, loss_mask, ...}`` ([rows, S]).
 
@@ -215,7 +232,11 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
         item = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in item.items()}
     tokens = item["tokens"]
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-    out = model(tokens, position_ids, None, labels=item["labels"])
+    temperature = item.get("temperature")
+    if temperature is not None and _last_stage(model):
+        out = tempered_cross_entropy(model(tokens, position_ids, None), item["labels"], temperature)
+    else:
+        out = model(tokens, position_ids, None, labels=item["labels"])
     if "ratio_only" in item:
         return out, partial(_ratio_sums, item)
     if "advantages" in item:

@@ -183,14 +183,16 @@ def stop_nodes(procs: list[subprocess.Popen[bytes]], grace: float = 20.0) -> lis
 def make_gspo_microsteps(hf: Any, offsets: Sequence[float | Sequence[float]], advantages: Sequence[float],
                          execs_per_step: int = 2, rows_per_exec: int = 2, seq_len: int = 16, vocab: int = 128,
                          seed: int = 0, spike: dict[int, float] | None = None,
-                         split: Sequence[int] = ()) -> list[Any]:
+                         split: Sequence[int] = (), temperature: float = 1.0) -> list[Any]:
     """Data-plane micro-steps for GSPO checks, one pack each. Execution ``e`` has ``rows_per_exec``
     rows of a context prefix then sampled tokens; its behaviour log-probs are ``hf``'s own
     (float64) minus ``offsets[e]`` (one number, or one per row), so its token ratios are known
     exactly under those weights; ``spike[e]`` adds that much more to the first sampled token's
     ``δ`` (to reach the cap). Executions are whole in their pack (as the stream packer keeps them)
     except those in ``split``: their row ``j`` goes to the micro-step ``j`` after their own, and
-    each part's pack carries the other rows (``Pack.outside``) as the packer does."""
+    each part's pack carries the other rows (``Pack.outside``) as the packer does. With
+    ``temperature``, the behaviour log-probs are those of ``softmax(logits / temperature)`` and the
+    rows say so, as the proxy records a call sampled at that temperature."""
     from gyre_core.dataplane.materialise import TrainingRow
     from gyre_core.dataplane.packing import MicroStep, _pack
     from gyre_core.interfaces import RoleClass
@@ -215,7 +217,8 @@ def make_gspo_microsteps(hf: Any, offsets: Sequence[float | Sequence[float]], ad
         for j, (length, ctx) in enumerate(specs):
             tokens = torch.randint(0, vocab, (length,), generator=g)
             with torch.no_grad():
-                lp = torch.log_softmax(hf(tokens[None]).logits[0].double(), -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
+                logits = hf(tokens[None]).logits[0].double() / temperature
+                lp = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
             lp = torch.cat([torch.zeros(1, dtype=torch.float64), lp])
             mask = torch.zeros(length, dtype=torch.bool)
             mask[ctx:] = True
@@ -225,7 +228,8 @@ def make_gspo_microsteps(hf: Any, offsets: Sequence[float | Sequence[float]], ad
             behaviour = torch.where(mask, lp - delta, torch.zeros(length, dtype=torch.float64)).float()
             rid = torch.full((length,), NO_RESPONSE, dtype=torch.int64)
             rid[ctx:] = 1000 * e + j
-            row = TrajectoryRow(e, e // execs_per_step, RoleClass.MAIN_AGENT_TASK, tokens, mask, behaviour, rid)
+            row = TrajectoryRow(e, e // execs_per_step, RoleClass.MAIN_AGENT_TASK, tokens, mask, behaviour, rid,
+                                temperatures=torch.full((length,), float(temperature)))
             weights = torch.where(mask, torch.full((length,), 1.0 / (n_exec * sampled)), torch.zeros(length))
             rows.append(TrainingRow(row, e, float(advantages[e]), weights))
         rows_of.append(rows)

@@ -123,7 +123,8 @@ _RowMeta = tuple[int, int, int, int, float, int]  # execution, group, role, slot
 
 
 def _row_tensors(r: TrainingRow) -> tuple[torch.Tensor, ...]:
-    return (r.row.token_ids, r.row.loss_mask, r.row.behaviour_logprobs, r.row.response_ids, r.loss_weights)
+    return (r.row.token_ids, r.row.loss_mask, r.row.behaviour_logprobs, r.row.response_ids, r.loss_weights,
+            r.row.temperatures)
 
 
 def _flatten(rows: tuple[TrainingRow, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[_RowMeta, ...]]:
@@ -140,7 +141,8 @@ def _unflatten(flat: tuple[torch.Tensor, ...], meta: tuple[_RowMeta, ...]) -> tu
     lengths = [m[-1] for m in meta]
     parts = [torch.split(f, lengths) for f in flat]
     return tuple(
-        TrainingRow(TrajectoryRow(eid, gid, RoleClass(role), *(p[i] for p in parts[:4])), slot, adv, parts[4][i])
+        TrainingRow(TrajectoryRow(eid, gid, RoleClass(role), *(p[i] for p in parts[:4]), temperatures=parts[5][i]),
+                    slot, adv, parts[4][i])
         for i, (eid, gid, role, slot, adv, _) in enumerate(meta)
     )
 

@@ -73,12 +73,13 @@ def event_from_json(d: dict[str, Any]) -> ev.Event:
 def tree_to_json(tree: TrajectoryTree) -> dict[str, Any]:
     return {"execution_id": tree.execution_id, "nodes": [
         {"id": n.node_id, "parent": n.parent, "tokens": n.token_ids.tolist(), "prov": n.provenance.tolist(),
-         "lp": n.logprobs.tolist(), "meta": dict(n.metadata)} for n in tree]}
+         "lp": n.logprobs.tolist(), "meta": dict(n.metadata), "temp": n.temperature} for n in tree]}
 
 
 def tree_from_json(d: dict[str, Any]) -> TrajectoryTree:
     return TrajectoryTree(int(d["execution_id"]), [
-        TreeNode(n["id"], n["parent"], n["tokens"], n["prov"], n["lp"], n.get("meta") or {}) for n in d["nodes"]])
+        TreeNode(n["id"], n["parent"], n["tokens"], n["prov"], n["lp"], n.get("meta") or {}, n.get("temp", 1.0))
+        for n in d["nodes"]])
 
 
 def selected_to_json(sel: list[SelectedTrajectory] | tuple[SelectedTrajectory, ...]) -> list[dict[str, Any]]:

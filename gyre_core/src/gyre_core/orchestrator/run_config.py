@@ -381,13 +381,11 @@ class RunConfig:
         need(self.serving.max_total_tokens >= 1024, "serving.max_total_tokens", "must be ≥ 1024")
         need(0 <= self.proxy.port < 65536, "proxy.port", "must be a TCP port (0: any free one)")
         need(self.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be ≥ 1")
-        # The trainer's log-probs are those of softmax(logits) over the whole vocabulary: only that
-        # sampler gives behaviour log-probs the ratio π/π_behaviour can be taken against (any other
-        # temperature makes the ratio differ from 1 even on-policy; top_p < 1 samples from a
-        # truncated distribution whose log-probs SGLang does not report). Refused, not ignored.
-        need(self.sampling.temperature == 1.0, "sampling.temperature",
-             "must be 1.0: the trainer computes log-probs of the untempered distribution, so another "
-             "temperature makes every importance ratio differ from 1 even on-policy")
+        # The trainer takes its log-probs of softmax(logits / T) at each call's temperature, the
+        # distribution SGLang samples from and reports. A truncated distribution (top_p < 1) is
+        # not: SGLang reports log-probs before truncation. Refused, not ignored.
+        need(0 < self.sampling.temperature <= 100, "sampling.temperature",
+             "must lie in (0, 100] (0 is greedy decoding, which has no behaviour distribution to train on)")
         need(self.sampling.top_p == 1.0, "sampling.top_p",
              "must be 1.0: with top_p < 1 the behaviour log-probs SGLang reports are not those of the "
              "truncated distribution the tokens were sampled from")

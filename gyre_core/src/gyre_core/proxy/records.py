@@ -128,6 +128,7 @@ class ExecutionRecords:
         messages: Sequence[Any] | None = None,
         tools_key: str = "",
         match: Match | None = None,
+        temperature: float = 1.0,
     ) -> CallRecord | None:
         """Append one call's node (input segment + output) and its record; None if it added no token.
 
@@ -144,7 +145,7 @@ class ExecutionRecords:
         if output_provenance is Provenance.SAMPLED and n_out:
             lp[n_in:] = torch.tensor([min(x, 0.0) for x in logprobs], dtype=torch.float32)
         tokens = torch.tensor(list(new_input_ids) + list(output_ids), dtype=torch.int64)
-        node = TreeNode(node_id, parent, tokens, prov, lp, dict(node_metadata))
+        node = TreeNode(node_id, parent, tokens, prov, lp, dict(node_metadata), temperature)
         self.tree.add(node)
         self.index.add(node_id, parent, segment, tail, messages=messages, tools_key=tools_key, start=match)
         self._next_node += 1

@@ -56,7 +56,10 @@ Decisions
 * Output generated under a constraint (``regex``, ``json_schema``, ``ebnf``, ``structural_tag`` in
   the sampling config) is recorded with provenance ``EXTERNAL``: its log-probs are those of the
   masked distribution, not behaviour log-probs, so those tokens are never training targets. The
-  engine's log-probs stay in the call record.
+  engine's log-probs stay in the call record. The same holds for per-execution sampling that
+  truncates or reshapes the distribution (``top_p`` < 1, ``top_k``, ``min_p``, penalties, greedy):
+  see :func:`samples_the_policy`. Each node records its call's temperature; the trainer takes its
+  log-probs at that temperature.
 * A call the client abandons (disconnect) is aborted at the engine and not recorded.
 * Per-call proxy work stays proportional to the new content, not the context: the request is
   matched against the execution's tree message by message (``ContextIndex.match_messages``, a
@@ -205,6 +208,22 @@ SAMPLING_RULES: dict[str, tuple[type, float, float]] = {
 }
 """Per-execution sampling the proxy accepts at creation: type and inclusive range (the run
 config's ``[sampling]`` follows the same rules; ``top_p`` must moreover be > 0)."""
+
+
+_NEUTRAL: dict[str, float] = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                               "frequency_penalty": 0.0, "presence_penalty": 0.0}
+"""Sampling settings that leave the tempered distribution ``softmax(logits / T)`` as it is."""
+
+
+def samples_the_policy(params: Mapping[str, Any]) -> bool:
+    """Whether a call with these settings samples from ``softmax(logits / T)`` itself, the
+    distribution the trainer can take the same log-probs of. Truncation (``top_p``, ``top_k``,
+    ``min_p``), penalties and greedy decoding (temperature 0) reshape it, and SGLang reports the
+    log-probs before they act: such output is recorded as ``EXTERNAL`` (context, never a target),
+    as constrained output is."""
+    if float(params.get("temperature", 1.0)) <= 0:
+        return False
+    return all(params.get(k, v) in (None, v) or (k == "top_k" and params.get(k) == 0) for k, v in _NEUTRAL.items())
 
 
 def validate_sampling(sampling: Mapping[str, Any]) -> dict[str, Any]:
@@ -527,7 +546,7 @@ class ProxyService:
         with ex.lock:
             segment, tail = self._continuation(call, answer, sampled_text)
         logprobs_ok = all(math.isfinite(x) for x in result.logprobs)
-        trainable = not constrained and logprobs_ok
+        trainable = not constrained and logprobs_ok and samples_the_policy(params)
         finish = result.finish_reason
         finish_reason = "length" if finish == "length" else ("tool_calls" if parsed.tool_calls else "stop")
         call_id = call.call_id
@@ -573,6 +592,7 @@ class ProxyService:
                 output_provenance=Provenance.SAMPLED if trainable else Provenance.EXTERNAL,
                 segment=segment, tail=tail, node_metadata=node_meta, make_record=make_record,
                 messages=messages + (answer,), tools_key=call.tools_key, match=match,
+                temperature=float(params.get("temperature", 1.0)) or 1.0,
             )
             for c in parsed.tool_calls:
                 rec.payloads.put(c)
