@@ -63,3 +63,51 @@ def test_a_score_after_an_infrastructure_error_stands_only_if_the_evaluator_vouc
     assert infra_verdict(zero, None) is zero and infra_verdict(zero, []) is zero  # no error: as scored
     unresolved = Assessment.unresolved(STATE, "evaluator raised")
     assert infra_verdict(unresolved, ERRORS) is unresolved
+
+
+def test_claude_code_ending_with_is_error_after_a_gyre_5xx_is_unresolved_not_a_zero(tmp_path) -> None:
+    """The CLI ran to its end (its log ends with a ``result`` object with ``is_error``): a failed
+    end, assessed. After a 5xx from Gyre its zero is not taken; without one, the zero stands."""
+    import json
+
+    from gyre_core.orchestrator.harness import classify_end
+
+    log = tmp_path / "e.log"
+    log.write_text(json.dumps({"type": "result", "is_error": True, "result": "API Error: 503 overloaded"}) + "\n")
+    assert classify_end("claude-code", 1, str(log)) == "failed"  # assessed like any end
+    zero = Assessment.valid(0.0, STATE, "no answer.json")
+    after_5xx = infra_verdict(zero, ERRORS)
+    assert after_5xx is not None and after_5xx.score is None
+    assert exclusion_cause([after_5xx], harness_crashed=False) == "infrastructure error"
+    assert infra_verdict(zero, None) is zero  # the policy's own failure: the task's zero stands
+
+
+def test_a_complete_failure_the_task_declares_is_the_zero_placeholder() -> None:
+    from gyre_core.dataplane.assessment import AssessmentLedger
+    from gyre_core.scheduler.events import EvaluationValid, Outcome
+
+    failure = Assessment.complete_failure(STATE, "nothing to judge")
+    assert failure.score == 0.0 and failure.nothing_to_assess
+    with pytest.raises(ValueError):  # a complete failure is a zero, nothing else
+        Assessment(0.5, failure.validity, STATE, nothing_to_assess=True)
+    ledger = AssessmentLedger()
+    ledger.register(3, deadline=60.0)
+    ledger.terminated(3, Outcome.COMPLETED, STATE)
+    assert isinstance(ledger.evaluate(3, lambda s: failure, 1.0), EvaluationValid)
+    assert ledger.reward(3) == 0.0 and ledger.is_placeholder(3)
+    # after a 5xx from Gyre, "nothing to assess" may be Gyre's doing: unresolved unless vouched
+    taken = infra_verdict(failure, ERRORS)
+    assert taken is not None and taken.score is None
+
+
+def test_file_tasks_declare_a_complete_failure(tmp_path) -> None:
+    from gyre_core.tasks.file_tasks import COMPLETE_FAILURE, reward_value, run_evaluator_command
+
+    assert reward_value({"complete_failure": True}) == COMPLETE_FAILURE
+    with pytest.raises(TypeError):
+        reward_value({"complete_failure": "yes"})
+    import sys
+
+    cmd = [sys.executable, "-c", "print('checking'); print('{\"complete_failure\": true}'); raise SystemExit(1)"]
+    value, detail = run_evaluator_command(cmd, str(tmp_path), 30.0, None)
+    assert value == COMPLETE_FAILURE and "complete failure" in detail

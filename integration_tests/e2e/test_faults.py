@@ -117,6 +117,8 @@ class FaultyEvaluator:
             raise RuntimeError(f"injected evaluator failure for execution {eid}")
         if fault in ("hang_always", "hang_once") and (fault == "hang_always" or n == 0):
             time.sleep(self.hang_s)
+        if fault == "complete_failure":  # the task's verdict: nothing to assess
+            return Assessment.complete_failure(state, "injected: the workspace holds nothing to judge")
         return None  # the number-guess evaluator answers
 
 
@@ -177,8 +179,9 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     timeout_s, budget_s, steps = 25.0, 36.0, 9
     attempt_bound = max(1.0, min(60.0, budget_s / 4))  # what live.py allows one evaluator attempt
     # group 0 = executions 0-3 (faults that recover), group 1 = 4-7 (faults that exclude)
-    evaluator = FaultyEvaluator({0: "raise_once", 1: "hang_once", 4: "raise_always", 5: "hang_always"},
-                                hang_s=attempt_bound + 2)
+    # execution 9 (group 2): the task declares a complete failure -> the zero-reward placeholder
+    evaluator = FaultyEvaluator({0: "raise_once", 1: "hang_once", 4: "raise_always", 5: "hang_always",
+                                 9: "complete_failure"}, hang_s=attempt_bound + 2)
     # group 2 = executions 8-11: one SIGKILLed harness (its group can no longer reach N valid rewards)
     harness = {2: "hang_after_answer", 3: "crash_after_answer", 6: "hang_before_answer", 8: "sigkill"}
     script = tmp_path / "fault_harness.py"
@@ -240,6 +243,15 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
         assert x3.harness_exit == {"code": 1, "end": "failed"}
         assert x3.reward is not None and x3.fate == "trained" and ledger.assessments(3)[-1].validity is Validity.VALID
     assert len(slow & {0, 1, 2, 3}) <= 2, slow  # the recovering faults are shown on at least two of them
+
+    # The task declared a complete failure: the zero-reward placeholder, a valid zero that counts in
+    # its group (which trains) but trains none of the execution's tokens; counted in the summary.
+    x9 = execs[9]
+    if 9 not in slow:
+        assert x9.placeholder and x9.reward == 0.0 and x9.fate == "trained", (x9.fate, x9.why)
+        assert ledger.assessments(9)[-1].nothing_to_assess and ledger.is_placeholder(9)
+        assert ex["zero_placeholders"] == 1, ex
+    assert ex["saw_infrastructure_errors"] == 0, ex
 
     # A harness SIGKILLed mid-run left nothing to assess: excluded at once (not when its budget
     # ends), never a reward, never a zero.

@@ -109,13 +109,19 @@ class Assessment:
     infrastructure errors (``ExecutionSpec.extra["infrastructure_errors"]``: the proxy's 5xx
     answers). Without it, a valid score of such an execution is not taken: the run cannot tell
     the policy's failure from Gyre's, and only the task may decide a zero."""
+    nothing_to_assess: bool = False
+    """A complete failure the task defines (the harness ran and left nothing its evaluator can
+    judge): the reward is the zero-reward placeholder, which counts in its group's advantages but
+    trains no token of the execution."""
 
     def __post_init__(self) -> None:
         if self.validity is Validity.VALID:
             if self.score is None or not math.isfinite(self.score):
                 raise ValueError(f"a valid assessment needs a finite score, got {self.score!r}")
+            if self.nothing_to_assess and self.score != 0.0:
+                raise ValueError(f"a complete failure scores 0.0, got {self.score!r}")
         elif self.validity is Validity.UNRESOLVED:
-            if self.score is not None:
+            if self.score is not None or self.nothing_to_assess:
                 raise ValueError("an unresolved assessment must not carry a score")
         else:  # pragma: no cover - guards against a plain string slipping through
             raise TypeError(f"validity must be a Validity, got {self.validity!r}")
@@ -124,6 +130,11 @@ class Assessment:
     def valid(cls, score: float, state: StateRef, detail: str = "", *,
               despite_infrastructure_errors: bool = False) -> Assessment:
         return cls(float(score), Validity.VALID, state, detail, despite_infrastructure_errors)
+
+    @classmethod
+    def complete_failure(cls, state: StateRef, detail: str = "") -> Assessment:
+        """The task's own verdict that there is nothing to assess: the zero-reward placeholder."""
+        return cls(0.0, Validity.VALID, state, detail, nothing_to_assess=True)
 
     @classmethod
     def unresolved(cls, state: StateRef, detail: str = "") -> Assessment:

@@ -181,6 +181,7 @@ class AssessmentLedger:
         e.log.append(answer)
         if reward is not None:
             e.state, e.reward = EvalState.VALID, reward
+            e.placeholder = answer.nothing_to_assess  # the task's complete failure: a zero placeholder
             return EvaluationValid(execution_id)
         return EvaluationUnresolved(execution_id, final=False)
 

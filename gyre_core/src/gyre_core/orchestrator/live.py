@@ -378,7 +378,11 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                 "filtered": fates["filtered"],
                 "surplus": fates["surplus"], "cancelled": fates["cancelled"],
                 "waiting": fates["ended"] + fates["assigned"], "running": fates["running"],
-                "stopped": fates["stopped"], "not_trained": self.not_trained()}
+                "stopped": fates["stopped"], "not_trained": self.not_trained(),
+                # trained as the zero-reward placeholder of a complete failure the task declared
+                "zero_placeholders": sum(1 for ex in self._execs.values() if ex.placeholder and ex.fate == "trained"),
+                # answered at least once with a 5xx by Gyre (excluded unless the task vouched)
+                "saw_infrastructure_errors": sum(1 for ex in self._execs.values() if ex.infra_errors)}
 
     def not_trained(self) -> dict[str, dict[str, int]]:
         """Every finished execution that was not trained, counted by fate and cause: which

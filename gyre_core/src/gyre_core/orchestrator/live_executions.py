@@ -48,6 +48,8 @@ class _Execution:
     """Why a finished execution was not trained (its fate's cause, counted in the summary)."""
     infra_errors: list[dict[str, Any]] | None = None
     """The proxy's 5xx answers to it (taken as it ended): Gyre's failures, not its policy's."""
+    placeholder: bool = False
+    """Its reward is the zero-reward placeholder of a complete failure (no token trained)."""
 
 
 INFRA_DETAIL = "infrastructure error"
@@ -186,7 +188,7 @@ class ExecutionsMixin:
         state = self._final_state(eid)
         answer = self.ledger.terminated(eid, outcome, state if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT) else None)
         if answer is not None:  # a complete failure: zero-reward placeholder
-            ex.reward = 0.0
+            ex.reward, ex.placeholder = 0.0, True
             if self.journal is not None:
                 self.journal.write("placeholder", execution_id=eid, group=ex.group_id)
             self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id))
@@ -212,6 +214,14 @@ class ExecutionsMixin:
             if isinstance(answer, ev.EvaluationValid):
                 reward = self.ledger.reward(eid)
                 ex.reward = reward
+                if self.ledger.assessments(eid)[-1].nothing_to_assess:  # the task's complete failure
+                    ex.placeholder = True
+                    if self.journal is not None:
+                        self.journal.write("placeholder", execution_id=eid, group=ex.group_id)
+                    if not self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id)):
+                        ex.fate, ex.why = "surplus", "its group already had its rewards"
+                    self._emit(answer)
+                    return
                 assert ex.trajectory is not None, f"execution {eid} was evaluated without its records"
                 tree, selected = ex.trajectory
                 if self.journal is not None:  # the records are in its "trajectory" entry

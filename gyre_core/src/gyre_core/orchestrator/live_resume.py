@@ -98,9 +98,11 @@ class ResumeMixin:
                 evaluated.add(eid)
                 running = self.ledger.state(eid) is EvalState.RUNNING  # its end is journalled next
                 if kind == "placeholder":
-                    ex.reward = 0.0
+                    ex.reward, ex.placeholder = 0.0, True
                     if running:
                         self.ledger.terminated(eid, Outcome.FAILED, None)
+                    elif self.ledger.state(eid) is EvalState.AWAITING:  # the task declared it after it ended
+                        self.ledger.evaluate(eid, lambda st: Assessment.complete_failure(st), self.now())
                     self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id))
                 else:
                     reward = float(rec["reward"])

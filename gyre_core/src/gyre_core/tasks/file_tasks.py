@@ -16,6 +16,11 @@ The reward is either
   sandbox, as the harness ran -- with a timeout: exit 0 is 1.0 and exit 1 is 0.0, unless its last
   stdout line is ``{"reward": x}``; any other exit, a signal or the timeout is unresolved.
 
+Either may declare a *complete failure* (the harness left nothing to judge): a reward function
+returns ``{"complete_failure": True}``, an evaluator prints ``{"complete_failure": true}`` last. The
+execution then gets the zero-reward placeholder: its zero counts in the group's advantages, and
+none of its tokens is trained.
+
 Groups draw records in a seeded order without replacement, epoch after epoch: group ``g`` takes
 position ``g mod n`` of epoch ``g div n``'s permutation, a pure function of the seed and the group
 id, so a resumed run (which replays the journalled group ids) draws exactly the same records.
@@ -134,10 +139,17 @@ def _load_reward(path: str, name: str) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def reward_value(value: Any) -> float | None:
-    """A reward function's answer: a finite number, or ``None`` (unresolved); else ``TypeError``."""
+COMPLETE_FAILURE = "complete_failure"
+"""What :func:`reward_value` makes of ``{"complete_failure": true}``: nothing to assess."""
+
+
+def reward_value(value: Any) -> float | str | None:
+    """A reward function's answer: a finite number, ``None`` (unresolved) or
+    ``{"complete_failure": True}`` (:data:`COMPLETE_FAILURE`); else ``TypeError``."""
     if value is None:
         return None
+    if isinstance(value, dict) and value.get("complete_failure") is True:
+        return COMPLETE_FAILURE
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         raise TypeError(f"a reward function must return a finite number or None, got {value!r}")
     return float(value)
@@ -145,7 +157,7 @@ def reward_value(value: Any) -> float | None:
 
 def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
                           sandbox: Mapping[str, Any] | None,
-                          record: Mapping[str, Any] | None = None) -> tuple[float | None, str]:
+                          record: Mapping[str, Any] | None = None) -> tuple[float | str | None, str]:
     """Run the task's evaluator command in the workspace (inside the sandbox when the run has
     one; the task's record in ``GYRE_TASK_RECORD`` as JSON): ``(reward or None for unresolved,
     detail)``. Never raises for what the command does."""
@@ -173,9 +185,13 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
     if lines and lines[-1].lstrip().startswith("{"):
         try:
             verdict = json.loads(lines[-1])
-            value = reward_value(verdict.get("reward")) if isinstance(verdict, dict) else None
+            value = None
+            if isinstance(verdict, dict):
+                value = reward_value(verdict if verdict.get("complete_failure") is True else verdict.get("reward"))
         except (ValueError, TypeError) as exc:
             return None, f"evaluator command printed a malformed verdict: {exc}"
+        if value == COMPLETE_FAILURE:
+            return value, "evaluator command: complete failure (nothing to assess)"
         if value is not None:
             return value, f"evaluator command: reward {value}"
     code = proc.returncode
@@ -219,7 +235,9 @@ def gyre_evaluate(spec: ExecutionSpec, state: StateRef) -> Assessment | None:
         detail = f"{x['reward']} returned {value}"
     if value is None:
         return Assessment.unresolved(state, detail)
-    return Assessment.valid(value, state, detail)
+    if value == COMPLETE_FAILURE:
+        return Assessment.complete_failure(state, detail)
+    return Assessment.valid(float(value), state, detail)
 
 
 def file_task_problems(task: Mapping[str, Any]) -> list[str]:
