@@ -81,6 +81,7 @@ class StandInOrchestrator(StepsMixin):
         self.messages: list[str] = []
         self._publishing: int | None = 2
         self.started: list[str] = []
+        self.evaluation = None  # no held-out tasks
 
         def make_serving(engine: int, options: Any) -> StandInServing:
             return StandInServing(options["url"])

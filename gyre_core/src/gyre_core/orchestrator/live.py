@@ -30,7 +30,7 @@ import logging
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import is_dataclass
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
@@ -38,6 +38,7 @@ from gyre_core.dataplane.assessment import AssessmentLedger
 from gyre_core.dataplane.packing import PackingConfig
 from gyre_core.dataplane.trajectory_buffer import TrajectoryBuffer
 from gyre_core.interfaces import WeightsRef
+from gyre_core.orchestrator.evaluation import EvalPlan, HeldOutEvaluation
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live_cells import CellHandles, CellsMixin, StandaloneHandles
@@ -142,6 +143,36 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         """Step -> the core's saved training state, as journalled (``checkpoint.keep_last`` prunes)."""
         self.satellite_failures: list[dict[str, Any]] = []
         """Steps that lost a cell and finished on the survivors (and whether the ranks restarted)."""
+        self.evaluation = self._held_out_evaluation()
+        """Held-out evaluation on publications (None without ``task.eval``)."""
+
+    def _held_out_evaluation(self) -> HeldOutEvaluation | None:
+        cfg = self.cfg
+        if not cfg.task.eval:
+            return None
+        from gyre_core.tasks.file_tasks import load_records
+
+        options = {**asdict(cfg.task), "train": cfg.task.eval}  # the eval file, drawn like a train file
+        instances = [self.pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed,
+                                                     options=options) for g in range(len(load_records(cfg.task.eval)))]
+        instances.sort(key=lambda inst: getattr(inst, "index", 0))  # every held-out task once, in file order
+        e = cfg.eval
+        plan = EvalPlan(e.interval, e.before_train, e.samples, e.max_concurrent, e.pass_threshold)
+
+        def report(version: int, metrics: dict[str, float]) -> None:
+            try:
+                self.pm.hook.gyre_on_metrics(step=version, metrics=metrics)
+            except Exception as exc:  # an observer must not cost the run
+                log.warning("metrics observer failed on the evaluation of version %s: %s", version, exc)
+
+        return HeldOutEvaluation(
+            plan, instances, proxy=self.proxy, proxy_url=self.proxy_url, out_dir=self.out_dir,
+            harness=cfg.harness.kind, harness_timeout_s=cfg.harness.timeout_s,
+            overall_budget_s=cfg.harness.overall_budget_s,
+            evaluator_timeout_s=cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, cfg.harness.overall_budget_s / 4)),
+            harness_extra=self._harness_extra, launch=lambda spec: self.pm.hook.gyre_launch_harness(spec=spec),
+            evaluate=lambda spec, state: self.pm.hook.gyre_evaluate(spec=spec, state=state),
+            progress=self.progress, report=report, now=self.now)
 
     # ------------------------------------------------------------------ clock, events, tasks
 
@@ -187,6 +218,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             if self.journal is not None:
                 self.journal.write("config", config=self.cfg.as_dict())
             self._handle(ev.Start())
+        if self.evaluation is not None:
+            self.evaluation.start(self.weights.version, steps)
         poller = asyncio.ensure_future(self._poll_buffers())
         ticker = asyncio.ensure_future(self._show_status()) if self.status is not None else None
         try:
@@ -212,6 +245,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         for cell, (role, since) in enumerate(self._role_since):
             if self.now() > since:
                 self.role_intervals.append((cell, role, since, self.now()))
+        if self.evaluation is not None:
+            await self.evaluation.finish()  # the last version's, started at its publication
         return self.summary()
 
     def _handle(self, event: ev.Event) -> None:
@@ -419,6 +454,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             # the elastic mechanism at work: a satellite sent into a step that was already training
             "running_step_joins": [{"step": r["step"], **j} for r in self.step_records
                                    for j in r.get("joined_running", [])],
+            # held-out pass rate and mean reward per evaluated policy version (task.eval, [eval])
+            "evaluations": list(self.evaluation.results) if self.evaluation is not None else [],
         }
 
     def _interrupted_calls(self) -> dict[str, Any] | None:

@@ -124,12 +124,7 @@ class ExecutionsMixin:
         workdir = self.out_dir / "executions" / f"e{eid:05d}"
         if relaunch and workdir.exists():  # a crashed attempt: keep it for inspection, start clean
             workdir.rename(workdir.with_name(f"{workdir.name}.crashed-{int(time.time())}"))
-        extra: dict[str, Any] = dict(inst.as_extra(), model=self.cfg.model.name)
-        if self.cfg.harness.kind == "command":
-            extra["command"] = list(self.cfg.harness.command)
-        if self.cfg.harness.kind == "claude-code":
-            extra["claude_bin"] = self.cfg.harness.claude_bin
-            extra["claude_args"] = list(self.cfg.harness.args)
+        extra = self._harness_extra(inst)
         if self.cfg.harness.kind == "replay":
             members = self._group_members(cmd.group_id)  # in dispatch order; refills come last
             extra["replay"] = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id),
@@ -137,8 +132,6 @@ class ExecutionsMixin:
             extra["replay"]["calls"] = self.cfg.harness.replay_calls
             extra["replay"]["context_tokens"] = min(extra["replay"]["context_tokens"], self._replay_context_cap())
             extra["replay"]["tokens_per_word"] = self._replay_tokens_per_word()
-        if self.sandbox is not None:
-            extra["sandbox"] = self.sandbox
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(workdir), proxy_base_url=self.proxy_url, api_key=key,
             harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
@@ -316,6 +309,18 @@ class ExecutionsMixin:
             harness=self.cfg.harness.kind, task=inst.prompt, extra=dict(inst.as_extra(), model=self.cfg.model.name,
                                                                         **({"sandbox": self.sandbox} if self.sandbox else {})))
         return _with_exit(spec, ex.harness_exit) if ex.harness_exit else spec
+
+    def _harness_extra(self, inst: Any) -> dict[str, Any]:
+        """An execution's ``extra``: the task instance's, then what the run's harness needs."""
+        extra: dict[str, Any] = dict(inst.as_extra(), model=self.cfg.model.name)
+        if self.cfg.harness.kind == "command":
+            extra["command"] = list(self.cfg.harness.command)
+        if self.cfg.harness.kind == "claude-code":
+            extra["claude_bin"] = self.cfg.harness.claude_bin
+            extra["claude_args"] = list(self.cfg.harness.args)
+        if self.sandbox is not None:
+            extra["sandbox"] = self.sandbox
+        return extra
 
     def _final_state(self, eid: int) -> StateRef:
         return StateRef(artifact_version="final", branch=str(self.out_dir / "executions" / f"e{eid:05d}"))

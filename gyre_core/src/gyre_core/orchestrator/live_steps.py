@@ -292,3 +292,5 @@ class StepsMixin:
         self.progress(f"published policy version {version}")
         self._publishing = None
         self._emit(ev.PublicationDone(version))
+        if self.evaluation is not None:  # held-out tasks on this policy, beside the run
+            self.evaluation.start(version, self.cfg.run.steps)

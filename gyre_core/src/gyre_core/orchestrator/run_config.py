@@ -72,6 +72,25 @@ class TaskSection:
     """``path/to/file.py:function`` scoring a record's workspace (or use ``evaluator``)."""
     evaluator: list[str] = field(default_factory=list)
     """A command run in the workspace, in the sandbox: exit 0/1, or a last line ``{"reward": x}``."""
+    eval: str = ""
+    """Held-out task file (same format as ``train``), run by ``[eval]`` and never trained on."""
+
+
+@dataclass
+class EvalSection:
+    """Held-out evaluation during the run (:mod:`gyre_core.orchestrator.evaluation`)."""
+
+    interval: int = 0
+    """Evaluate the policy after every ``interval`` steps (0: never during the run); the run's
+    last version is evaluated whenever ``task.eval`` is set."""
+    before_train: bool = False
+    """Also evaluate the starting policy (version 0)."""
+    samples: int = 1
+    """Executions per eval task (the pass rate is pass@samples)."""
+    max_concurrent: int = 4
+    """Evaluation executions running at once: their load on the rollout engines is bounded by it."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is at least this."""
 
 
 @dataclass
@@ -294,6 +313,7 @@ class RunConfig:
     publication: PublicationSection = field(default_factory=PublicationSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def validate(self) -> "RunConfig":
         def need(cond: bool, where: str, msg: str) -> None:
@@ -318,6 +338,15 @@ class RunConfig:
                  "give exactly one of task.reward (\"file.py:function\") and task.evaluator (a command)")
         else:
             need(not self.task.train, "task.train", f"a task file needs task.name = \"file\", not {self.task.name!r}")
+            need(not self.task.eval, "task.eval", f"an eval task file needs task.name = \"file\", not {self.task.name!r}")
+        need(self.eval.interval >= 0, "eval.interval", "must be ≥ 0 (0: only the last version)")
+        need(self.eval.samples >= 1, "eval.samples", "must be ≥ 1")
+        need(self.eval.max_concurrent >= 1, "eval.max_concurrent", "must be ≥ 1")
+        need(math.isfinite(self.eval.pass_threshold), "eval.pass_threshold", "must be a finite number")
+        need(bool(self.task.eval) or not (self.eval.interval or self.eval.before_train), "task.eval",
+             "[eval] needs held-out tasks: a task file in task.eval")
+        need(not self.task.eval or self.harness.kind != "replay", "task.eval",
+             "a replayed workload has no held-out tasks to run")
         need(self.harness.sandbox in ("bwrap", "none"), "harness.sandbox", "must be \"bwrap\" or \"none\"")
         need(self.harness.evaluator_timeout_s >= 0, "harness.evaluator_timeout_s", "must be ≥ 0 (0: automatic)")
         need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",

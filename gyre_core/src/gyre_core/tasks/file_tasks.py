@@ -247,19 +247,23 @@ def file_task_problems(task: Mapping[str, Any]) -> list[str]:
     if not task.get("train"):
         return []
     problems: list[str] = []
-    try:
-        records = load_records(task["train"])
-        if not records:
-            problems.append(f"task.train: {task['train']} holds no record")
-        for i, r in enumerate(records[:1000]):
-            try:
-                render_prompt(r, str(task.get("prompt_template") or ""))
-            except (KeyError, IndexError, ValueError) as exc:
-                problems.append(f"task.train: record {i}: no prompt ({type(exc).__name__}: {exc})")
-                break
-    except (OSError, ValueError) as exc:
-        problems.append(f"task.train: {type(exc).__name__}: {exc}")
-        records = ()
+    records: tuple[dict[str, Any], ...] = ()
+    for key in ("train", "eval"):
+        if not task.get(key):
+            continue
+        try:
+            these = load_records(task[key])
+            if not these:
+                problems.append(f"task.{key}: {task[key]} holds no record")
+            for i, r in enumerate(these[:1000]):
+                try:
+                    render_prompt(r, str(task.get("prompt_template") or ""))
+                except (KeyError, IndexError, ValueError) as exc:
+                    problems.append(f"task.{key}: record {i}: no prompt ({type(exc).__name__}: {exc})")
+                    break
+            records = records or these
+        except (OSError, ValueError) as exc:
+            problems.append(f"task.{key}: {type(exc).__name__}: {exc}")
     if task.get("reward"):
         try:
             fn = load_reward(str(task["reward"]))

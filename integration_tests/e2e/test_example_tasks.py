@@ -1,0 +1,52 @@
+"""The shipped example (``examples/tasks/command.toml``) as a user runs it: the user's own tasks and
+evaluator from files, 2 steps, one held-out evaluation of the last policy on every eval task.
+
+Real parts throughout: Megatron ranks, SGLang CPU servers, the proxy, the toy agent in its sandbox
+(OpenAI SDK), the example's evaluator command (the task's unit tests) in the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre_core.testing import assert_accounted, run_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(900)]
+pytest.importorskip("sglang")
+pytest.importorskip("megatron.core")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_example_trains_two_steps_and_evaluates_the_held_out_tasks(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
+    out = tmp_path / "run"
+    summary, console = run_job(out, "--config", "examples/tasks/command.toml", "--set", "run.max_wall_s=600.0",
+                               timeout=840)
+    assert summary["status"] == "ok" and summary["steps"] == 2
+    ex = summary["executions"]
+    assert_accounted(ex)
+    eval_tasks = len((ROOT / "examples" / "tasks" / "eval.jsonl").read_text().splitlines())
+    # one evaluation, of the last policy: every held-out task once, never trained on
+    (ev,) = summary["evaluations"]
+    print(f"\nexample: {summary['wall_s']} s; evaluation {ev}; executions {ex}")
+    assert ev["step"] == 2 and ev["tasks"] == eval_tasks and ev["executions"] == eval_tasks
+    assert ev["unresolved"] < eval_tasks and ev["pass_rate"] is not None and 0.0 <= ev["pass_rate"] <= 1.0
+    lines = [json.loads(x) for x in (out / "eval" / "step2.jsonl").read_text().splitlines()]
+    assert sorted(t["record_index"] for t in lines) == list(range(eval_tasks))
+    assert "evaluation of version 2: pass rate" in console
+    # the evaluation's executions are not the scheduler's: none was dispatched, trained or journalled
+    assert ex["dispatched"] < 1 << 30 and all(e < 1 << 30 for e in _journalled_execution_ids(out))
+    assert len(list((out / "eval" / "v2").iterdir())) == eval_tasks  # each in its own workspace
+
+
+def _journalled_execution_ids(out: Path) -> set[int]:
+    ids = set()
+    for line in (out / "journal.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "execution_id" in rec:
+            ids.add(int(rec["execution_id"]))
+    return ids
