@@ -2,12 +2,15 @@
 evaluator from files, 2 steps, one held-out evaluation of the last policy on every eval task.
 
 Real parts throughout: Megatron ranks, SGLang CPU servers, the proxy, the toy agent in its sandbox
-(OpenAI SDK), the example's evaluator command (the task's unit tests) in the sandbox.
+(OpenAI SDK), the example's evaluator command (the task's unit tests) in the sandbox. Then
+``gyre-orchestrate eval`` on the run's checkpoint: the same held-out tasks, engines only.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +44,18 @@ def test_the_example_trains_two_steps_and_evaluates_the_held_out_tasks(tmp_path:
     # the evaluation's executions are not the scheduler's: none was dispatched, trained or journalled
     assert ex["dispatched"] < 1 << 30 and all(e < 1 << 30 for e in _journalled_execution_ids(out))
     assert len(list((out / "eval" / "v2").iterdir())) == eval_tasks  # each in its own workspace
+
+    # the checkpoint the run kept, evaluated alone: engines only, the same tasks and evaluator
+    alone = tmp_path / "eval-alone"
+    proc = subprocess.run([sys.executable, "-m", "gyre_core.cli", "eval", "--model", str(out / "checkpoint"),
+                           "--config", "examples/tasks/command.toml", "--out", str(alone), "--json-summary"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"eval alone: {result}")
+    assert result["status"] == "ok" and result["evaluation"]["executions"] == eval_tasks
+    assert len((alone / "eval" / "step0.jsonl").read_text().splitlines()) == eval_tasks
+    assert not (alone / "journal.jsonl").exists() and not list(alone.glob("rank*.log"))  # no trainer
 
 
 def _journalled_execution_ids(out: Path) -> set[int]:

@@ -102,6 +102,14 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --resume: continue even if settings the journal depends on changed")
     run.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
 
+    ev_ = sub.add_parser("eval", help="evaluate a model folder on the configuration's held-out tasks (no trainer)")
+    ev_.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. a run's checkpoint/)")
+    ev_.add_argument("--config", type=Path, required=True, help="run configuration with task.eval")
+    ev_.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one configuration value (repeatable), e.g. --set eval.samples=4")
+    ev_.add_argument("--out", help="output directory (run.out_dir)")
+    ev_.add_argument("--json-summary", action="store_true", help="print the summary as one JSON object on stdout")
+
     px = sub.add_parser("proxy", help="serve the TITO proxy in front of SGLang engines")
     px.add_argument("--engine", action="append", required=True, metavar="URL", help="SGLang server URL (repeatable)")
     px.add_argument("--model-dir", type=Path, required=True, help="model directory (tokenizer and chat template)")
@@ -327,16 +335,41 @@ def _engine_clients(urls: Sequence[str]) -> list:
     return [client_cls(u) for u in urls]
 
 
-def _run(args: argparse.Namespace) -> int:
-    """``gyre-orchestrate run``: validate the whole configuration first, then run it."""
-    from gyre_core.orchestrator.run_config import load_run_config
-
+def _overrides(items: Sequence[str]) -> dict[str, object]:
     overrides: dict[str, object] = {}
-    for item in args.set:
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set {item}: expected SECTION.KEY=VALUE")
         overrides[key.strip()] = value
+    return overrides
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """``gyre-orchestrate eval``: a model folder on the held-out tasks, engines only."""
+    from gyre_core.orchestrator.eval_only import evaluate_model
+    from gyre_core.orchestrator.run_config import load_run_config
+
+    overrides = _overrides(args.set)
+    if args.out is not None:
+        overrides["run.out_dir"] = args.out
+    cfg = load_run_config(args.config, overrides)
+    summary = evaluate_model(cfg, args.model)
+    if args.json_summary:
+        print(json.dumps(summary))
+    else:
+        r = summary["evaluation"]
+        print(f"{args.model}: pass rate {r['pass_rate']} (pass@{cfg.eval.samples}) on {r['tasks']} held-out task(s), "
+              f"mean reward {r['mean_reward']}, {r['unresolved']} of {r['executions']} execution(s) unresolved; "
+              f"per task in {Path(cfg.run.out_dir) / 'eval' / 'step0.jsonl'}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``gyre-orchestrate run``: validate the whole configuration first, then run it."""
+    from gyre_core.orchestrator.run_config import load_run_config
+
+    overrides = _overrides(args.set)
     for flag, key in (("steps", "run.steps"), ("mode", "scheduler.mode"), ("out", "run.out_dir")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
@@ -388,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _proxy(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "eval":
+            return _eval(args)
         return _plugins()
     except (ConfigError, TraceError, OSError, JournalError) as exc:  # bad input: nothing ran
         print(f"gyre-orchestrate: error: {exc}", file=sys.stderr)

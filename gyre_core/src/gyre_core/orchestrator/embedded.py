@@ -157,6 +157,47 @@ async def _serve_proxy(app: Any, host: str, port: int, uds: str | None = None) -
     return server, task, 0 if uds else int(sockets[0].getsockname()[1])
 
 
+def make_proxy_service(cfg: RunConfig, tokenizer: Any, pm: Any) -> Any:
+    """The run's TITO proxy service (engines are added by the caller)."""
+    from gyre_core.proxy.render import ChatRenderer
+    from gyre_core.proxy.service import ProxyConfig, ProxyService
+
+    return ProxyService(ChatRenderer(tokenizer), ProxyConfig(
+        served_models=(cfg.model.name,),
+        sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p},
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        # what can be trained, not only what the model reads: a call whose prompt and reply would
+        # not fit one micro-step row is refused with the API's own context-length error (the
+        # harness reacts as to a real API: compacts, or ends), and never reaches the trainer
+        context_window=min(w for w in (tokenizer_window(tokenizer), cfg.dataplane.token_budget) if w),
+        kv_handoff=cfg.proxy.kv_handoff,
+    ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
+
+
+async def sandbox_gate(app: Any, cfg: RunConfig, out: Path, port: int
+                       ) -> tuple[dict[str, Any] | None, Any, asyncio.Task[Any] | None, Path | None]:
+    """With ``harness.sandbox = "bwrap"``: the sandboxes' only way out, the proxy on a Unix socket
+    in a private folder (short path: AF_UNIX allows ~100 bytes), relayed inside each sandbox to the
+    proxy's own address. Returns the sandbox spec (as ``extra``), the socket's server, its task and
+    its folder (all None without a sandbox)."""
+    if cfg.harness.sandbox != "bwrap":
+        return None, None, None, None
+    import tempfile
+
+    from gyre_core.orchestrator.sandbox import SandboxSpec
+
+    sock_dir = Path(tempfile.mkdtemp(prefix="gyre-proxy-"))
+    sock = str(sock_dir / "proxy.sock")
+    sock_server, sock_task, _ = await _serve_proxy(app, cfg.proxy.host, 0, uds=sock)
+    # the sandboxes' user (not the run's) connects: the folder holds nothing else, and the proxy
+    # asks every call for its execution's own key
+    os.chmod(sock_dir, 0o711)
+    os.chmod(sock, 0o666)
+    hide = [str(out.resolve())] + [str(Path(p).resolve()) for p in (cfg.cluster.key_file, cfg.model.dir) if p]
+    sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port, tuple(cfg.harness.sandbox_expose)).as_extra()
+    return sandbox, sock_server, sock_task, sock_dir
+
+
 def run_live(
     cfg: RunConfig,
     progress: Callable[[str], None] | None = None,
@@ -225,8 +266,6 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     from transformers import AutoTokenizer
 
     from gyre_core.proxy.app import build_app, default_faces
-    from gyre_core.proxy.render import ChatRenderer
-    from gyre_core.proxy.service import ProxyConfig, ProxyService
 
     k = cfg.scheduler.cells
     tok_dir = _prepare_tokenizer(cfg, out)
@@ -315,16 +354,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     for line in placement_plan(training, started, standalone_engine):
         say(line)
 
-    service = ProxyService(ChatRenderer(tokenizer), ProxyConfig(
-        served_models=(cfg.model.name,),
-        sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p},
-        max_new_tokens=cfg.sampling.max_new_tokens,
-        # what can be trained, not only what the model reads: a call whose prompt and reply would
-        # not fit one micro-step row is refused with the API's own context-length error (the
-        # harness reacts as to a real API: compacts, or ends), and never reaches the trainer
-        context_window=min(w for w in (tokenizer_window(tokenizer), cfg.dataplane.token_budget) if w),
-        kv_handoff=cfg.proxy.kv_handoff,
-    ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
+    service = make_proxy_service(cfg, tokenizer, pm)
     # what every serving side (and a restarted engine's) needs: the key, and how loads are checked
     serving_opts = {"api_key": engine_key, "version_wait_s": cfg.publication.version_wait_s,
                     "load_attempts": cfg.publication.load_attempts}
@@ -343,23 +373,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"
-    sandbox, sock_server, sock_task, sock_dir = None, None, None, None
-    if cfg.harness.sandbox == "bwrap":
-        # the sandboxes' only way out: the proxy on a Unix socket in a private folder (short path:
-        # AF_UNIX allows ~100 bytes), relayed inside each sandbox to the proxy's own address
-        import tempfile
-
-        from gyre_core.orchestrator.sandbox import SandboxSpec
-
-        sock_dir = Path(tempfile.mkdtemp(prefix="gyre-proxy-"))
-        sock = str(sock_dir / "proxy.sock")
-        sock_server, sock_task, _ = await _serve_proxy(app, cfg.proxy.host, 0, uds=sock)
-        # the sandboxes' user (not the run's) connects: the folder holds nothing else, and the proxy
-        # asks every call for its execution's own key
-        os.chmod(sock_dir, 0o711)
-        os.chmod(sock, 0o666)
-        hide = [str(out.resolve())] + [str(Path(p).resolve()) for p in (cfg.cluster.key_file, cfg.model.dir) if p]
-        sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port, tuple(cfg.harness.sandbox_expose)).as_extra()
+    sandbox, sock_server, sock_task, sock_dir = await sandbox_gate(app, cfg, out, port)
     say(f"proxy on {proxy_url}; running {cfg.run.steps} step(s) in {cfg.scheduler.mode.value} mode")
     try:
         journal = Journal(out / JOURNAL, fresh=replay is None)

@@ -22,6 +22,7 @@ from gyre_core.interfaces import (
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.harness import classify_end
 from gyre_core.orchestrator.journal import selected_to_json, tree_to_json
+from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome
 
@@ -82,6 +83,19 @@ def exclusion_cause(assessments: Sequence[Assessment], harness_crashed: bool) ->
     if detail.startswith("evaluator raised"):
         return "evaluator raised"
     return "evaluator answered unresolved"
+
+
+def harness_extra(cfg: RunConfig, inst: Any, sandbox: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An execution's ``extra``: the task instance's, then what the run's harness needs."""
+    extra: dict[str, Any] = dict(inst.as_extra(), model=cfg.model.name)
+    if cfg.harness.kind == "command":
+        extra["command"] = list(cfg.harness.command)
+    if cfg.harness.kind == "claude-code":
+        extra["claude_bin"] = cfg.harness.claude_bin
+        extra["claude_args"] = list(cfg.harness.args)
+    if sandbox is not None:
+        extra["sandbox"] = dict(sandbox)
+    return extra
 
 
 def _with_exit(spec: ExecutionSpec, harness_exit: Mapping[str, Any]) -> ExecutionSpec:
@@ -311,16 +325,7 @@ class ExecutionsMixin:
         return _with_exit(spec, ex.harness_exit) if ex.harness_exit else spec
 
     def _harness_extra(self, inst: Any) -> dict[str, Any]:
-        """An execution's ``extra``: the task instance's, then what the run's harness needs."""
-        extra: dict[str, Any] = dict(inst.as_extra(), model=self.cfg.model.name)
-        if self.cfg.harness.kind == "command":
-            extra["command"] = list(self.cfg.harness.command)
-        if self.cfg.harness.kind == "claude-code":
-            extra["claude_bin"] = self.cfg.harness.claude_bin
-            extra["claude_args"] = list(self.cfg.harness.args)
-        if self.sandbox is not None:
-            extra["sandbox"] = self.sandbox
-        return extra
+        return harness_extra(self.cfg, inst, self.sandbox)
 
     def _final_state(self, eid: int) -> StateRef:
         return StateRef(artifact_version="final", branch=str(self.out_dir / "executions" / f"e{eid:05d}"))

@@ -1,0 +1,118 @@
+"""``gyre-orchestrate eval --model DIR --config FILE``: a checkpoint on the held-out tasks, alone.
+
+Engines only, no trainer: one SGLang server on the HF folder ``DIR`` (a run's ``checkpoint/``, or
+any model folder with its tokenizer), the proxy, and the run configuration's harness, sandbox and
+task evaluator -- the very path a run's evaluations take (:mod:`gyre_core.orchestrator.evaluation`),
+so a number from here and one from ``summary.json`` ``evaluations`` mean the same thing. Results
+go to ``OUT/eval/step0.jsonl`` (one line a task) and ``OUT/summary.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gyre_core.orchestrator.embedded import (
+    _plugin_manager,
+    _serve_proxy,
+    _start_engine,
+    make_proxy_service,
+    sandbox_gate,
+)
+from gyre_core.orchestrator.evaluation import EvalPlan, HeldOutEvaluation
+from gyre_core.orchestrator.live_executions import harness_extra
+from gyre_core.orchestrator.preflight import check_preflight
+from gyre_core.orchestrator.run_config import ConfigError, RunConfig
+from gyre_core.tasks.file_tasks import load_records
+
+__all__ = ["evaluate_model"]
+
+
+def evaluate_model(cfg: RunConfig, model_dir: str | Path, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Evaluate the model in ``model_dir`` on ``task.eval``; returns (and writes) the summary."""
+    say = progress or (lambda msg: print(f"gyre: {msg}", file=sys.stderr, flush=True))
+    model = Path(model_dir).resolve()
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"--model: {model} is not a model folder (no config.json)")
+    if not cfg.task.eval:
+        raise ConfigError("task.eval: evaluation needs held-out tasks (a task file in task.eval)")
+    cfg.model.dir = str(model)
+    pm = _plugin_manager()
+    check_preflight(cfg, pm)
+    out = Path(cfg.run.out_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg.run.out_dir = str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    engines: list[Any] = []
+    t0 = time.monotonic()
+    try:
+        result = asyncio.run(_evaluate(cfg, model, out, pm, engines, say))
+    finally:
+        for e in engines:
+            with contextlib.suppress(Exception):
+                e.stop()
+    summary = {"status": "ok", "model": str(model), "evaluation": result, "wall_s": round(time.monotonic() - t0, 2)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+async def _evaluate(cfg: RunConfig, model: Path, out: Path, pm: Any, engines: list[Any],
+                    say: Callable[[str], None]) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from gyre_core.proxy.app import build_app, default_faces
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    engine_key = secrets.token_urlsafe(24)
+    say(f"starting an SGLang engine on {model}")
+    engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model, {
+        "max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
+        "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key, "log_path": str(out / "engine.log"),
+        "base_gpu_id": 0, "tp_size": cfg.training.tp * cfg.training.pp}, engines)
+    service = make_proxy_service(cfg, tokenizer, pm)
+    service.add_engine(pm.hook.gyre_make_engine_client(url=engine.url, options={"api_key": engine_key}),
+                       kind="standalone", capacity=cfg.eval.max_concurrent)
+    app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
+    server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
+    sandbox, sock_server, sock_task, sock_dir = await sandbox_gate(app, cfg, out, port)
+    try:
+        options = {**dataclasses.asdict(cfg.task), "train": cfg.task.eval}
+        instances = [pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed, options=options)
+                     for g in range(len(load_records(cfg.task.eval)))]
+        instances.sort(key=lambda inst: getattr(inst, "index", 0))
+        e = cfg.eval
+        t0 = time.monotonic()
+        evaluation = HeldOutEvaluation(
+            EvalPlan(0, True, e.samples, e.max_concurrent, e.pass_threshold), instances, proxy=service,
+            proxy_url=f"http://{cfg.proxy.host}:{port}", out_dir=out, harness=cfg.harness.kind,
+            harness_timeout_s=cfg.harness.timeout_s, overall_budget_s=cfg.harness.overall_budget_s,
+            evaluator_timeout_s=cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, cfg.harness.overall_budget_s / 4)),
+            harness_extra=lambda inst: harness_extra(cfg, inst, sandbox),
+            launch=lambda spec: pm.hook.gyre_launch_harness(spec=spec),
+            evaluate=lambda spec, state: pm.hook.gyre_evaluate(spec=spec, state=state),
+            progress=say, report=lambda version, metrics: None, now=lambda: time.monotonic() - t0)
+        evaluation.start(0, last=0)
+        await evaluation.finish()
+        if not evaluation.results:
+            raise RuntimeError("the evaluation did not complete (see the lines above)")
+        return evaluation.results[0]
+    finally:
+        for srv, task in ((server, serve_task), (sock_server, sock_task)):
+            if srv is not None:
+                srv.should_exit = True
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, 10)  # type: ignore[arg-type]
+        if sock_dir is not None:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        for slot in service.router.engines():
+            with contextlib.suppress(Exception):
+                await slot.client.close()
