@@ -90,6 +90,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"training.clip_high": "-0.1"}, "training.clip_high"),
     ({"sampling.temperature": "-1"}, "sampling.temperature"),
     ({"watchdog.failures": "0"}, "watchdog.failures"),
+    ({"eval.interval": "2"}, "task.eval"),  # an evaluation needs held-out tasks
+    ({"task.eval": '"held_out.jsonl"'}, "task.eval"),  # held-out tasks need the file task
+    ({"eval.samples": "0"}, "eval.samples"),
+    ({"eval.max_concurrent": "0"}, "eval.max_concurrent"),
     ({"watchdog.health_timeout_s": "0"}, "watchdog.health_timeout_s"),
 ])
 def test_bad_values_name_their_key(overrides: dict, where: str) -> None:

@@ -105,6 +105,7 @@ class HeldOutEvaluation:
         self._slots = asyncio.Semaphore(plan.max_concurrent)
         self._tasks: list[asyncio.Task[Any]] = []
         self._started: set[int] = set()
+        self._handles: set[Any] = set()
         self._threads = ThreadPoolExecutor(max_workers=2 * plan.max_concurrent, thread_name_prefix="gyre-eval")
 
     def start(self, version: int, last: int) -> None:
@@ -116,6 +117,17 @@ class HeldOutEvaluation:
 
     async def finish(self) -> None:
         """Wait for the evaluations still running (each execution is bounded: see the module)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._threads.shutdown(wait=False)
+
+    async def cancel(self) -> None:
+        """Kill the evaluation harnesses still running and drop their evaluations (a run that
+        failed, or was stopped)."""
+        for handle in list(self._handles):
+            await asyncio.to_thread(handle.kill)
+        for t in self._tasks:
+            t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._threads.shutdown(wait=False)
@@ -163,7 +175,11 @@ class HeldOutEvaluation:
             try:
                 self._proxy.router.assign(eid)
                 handle = await loop.run_in_executor(self._threads, self._launch, spec)
-                code = await loop.run_in_executor(self._threads, handle.wait, self._timeout)
+                self._handles.add(handle)
+                try:
+                    code = await loop.run_in_executor(self._threads, handle.wait, self._timeout)
+                finally:
+                    self._handles.discard(handle)
                 if code is None:
                     await loop.run_in_executor(self._threads, handle.kill)
                 elif code != 0:

@@ -377,6 +377,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                 ex.fate = "stopped"
                 if ex.handle is not None:
                     await asyncio.to_thread(ex.handle.kill)
+        if self.evaluation is not None:  # a failed run's evaluations still running
+            await self.evaluation.cancel()
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
