@@ -29,8 +29,9 @@ from gyre_core.interfaces import WeightsRef
 from gyre_core.metrics.observers import close_observers, open_observers
 from gyre_core.config import ConfigError
 from gyre_core.orchestrator.journal import Journal, Replay
-from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, StandaloneHandles
 from gyre_core.orchestrator.failure import RunError, cause_lines, write_error_log
+from gyre_core.orchestrator.hf_folders import TOKENIZER_FILES
+from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, StandaloneHandles
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.status_line import StatusLine
@@ -41,8 +42,6 @@ __all__ = ["run_live"]
 
 log = logging.getLogger("gyre.orchestrator")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json")
 
 
 JOURNAL = "journal.jsonl"
@@ -532,23 +531,10 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
     except Exception as e:  # a picture must not cost the run's results
         log.warning("role timeline not written: %s", e)
     ckpt = out / "checkpoint"
-    ckpt.mkdir(exist_ok=True)
-    src = Path(orch.weights.location) / "model.safetensors"
-    saved = False
-    if src.exists():
-        shutil.copy2(src, ckpt / "model.safetensors")
-        shutil.copy2(Path(orch.weights.location) / "config.json", ckpt / "config.json")
-        saved = True
-    elif orch.publisher is not None and orch.weights.version in getattr(orch.publisher, "versions", ()):
-        orch.publisher.save(orch.weights.version, str(ckpt / "model.safetensors"))  # the Mooncake buffer's bytes
-        shutil.copy2(model_dir / "config.json", ckpt / "config.json")
-        saved = True
-    if saved:
-        tok_dir = Path(cfg.model.dir) if cfg.model.dir else out / "tokenizer-src"
-        for name in TOKENIZER_FILES:  # a complete model folder: a later run can start from it (model.dir)
-            if (tok_dir / name).exists():
-                shutil.copy2(tok_dir / name, ckpt / name)
+    # the final policy, always: a complete model folder a later run can start from (model.dir)
+    if orch.save_hf(orch.weights.version, ckpt):
         summary["checkpoint"] = str(ckpt / "model.safetensors")
+    summary["hf_checkpoints"] = {str(k): str(v) for k, v in sorted(orch.hf_saved.items())}
     summary["policy_version"] = orch.weights.version
     summary["event_log"] = str(out / "events.jsonl")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -100,6 +100,10 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         """The run's :class:`~gyre_core.interfaces.WeightPublisher` (Mooncake), or None: disk files."""
         self.out_dir = Path(out_dir)
         self.weights = weights
+        self.serving_dir = Path(weights.location)
+        """The model folder the engines started on (its ``config.json`` is the served model's)."""
+        self.hf_saved: dict[int, Path] = {}
+        """Periodic model folders (``checkpoint.hf_interval``) still kept, by step."""
         self.clock = clock
         self.progress = progress or (lambda msg: None)
         self.event_log = event_log

@@ -11,12 +11,14 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from gyre_core.dataplane.packing import StreamPackingBuffer
 from gyre_core.interfaces import WeightsRef
 from gyre_core.metrics import step_metrics
 from gyre_core.orchestrator.failure import RunFailed
+from gyre_core.orchestrator.hf_folders import model_dtype, prunable_hf, write_hf_folder
 from gyre_core.orchestrator.live_cells import load_weights_on
 from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
@@ -294,3 +296,31 @@ class StepsMixin:
         self._emit(ev.PublicationDone(version))
         if self.evaluation is not None:  # held-out tasks on this policy, beside the run
             self.evaluation.start(version, self.cfg.run.steps)
+        every = self.cfg.checkpoint.hf_interval
+        if every > 0 and version % every == 0 and version < self.cfg.run.steps:  # the last: checkpoint/
+            dest = self.out_dir / "hf" / f"step{version}"
+            if await asyncio.to_thread(self.save_hf, version, dest):
+                self.hf_saved[version] = dest
+                self.progress(f"saved the policy after step {version} to {dest}")
+                for old in prunable_hf(self.hf_saved, self.cfg.checkpoint.hf_keep_last):
+                    await asyncio.to_thread(shutil.rmtree, self.hf_saved.pop(old), True)
+
+    def save_hf(self, version: int, dest: Path) -> bool:
+        """Write published ``version`` (the current one) as a model folder at ``dest``, in the
+        model's own dtype (:mod:`gyre_core.orchestrator.hf_folders`); False if its bytes are gone."""
+        src = Path(self.weights.location)
+        if self.weights.version != version:
+            return False
+        if (src / "model.safetensors").exists():  # published on disk
+            def write(path: Path) -> None:
+                shutil.copy2(src / "model.safetensors", path)
+            config = src / "config.json"
+        elif self.publisher is not None and version in getattr(self.publisher, "versions", ()):
+            def write(path: Path) -> None:
+                self.publisher.save(version, str(path))  # the Mooncake buffer's bytes
+            config = self.serving_dir / "config.json"
+        else:
+            return False
+        tokenizer = Path(self.cfg.model.dir) if self.cfg.model.dir else self.out_dir / "tokenizer-src"
+        write_hf_folder(dest, write, config, tokenizer, model_dtype(self.cfg.model.dir))
+        return True

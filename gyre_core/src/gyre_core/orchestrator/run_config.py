@@ -251,11 +251,17 @@ class PublicationSection:
 
 @dataclass
 class CheckpointSection:
-    """The core's training state (weights and optimizer) saved after each step, for ``--resume``."""
+    """The core's training state (weights and optimizer) saved after each step, for ``--resume``,
+    and the model folders a user keeps."""
 
     keep_last: int = 2
     """How many of the newest step checkpoints to keep (0: all). The one a resume needs to rebuild
     the last published policy is always kept too. A 7B model's state is ~100 GB a step."""
+    hf_interval: int = 0
+    """Also write the policy after every ``hf_interval`` steps as a model folder ``hf/step<N>/``
+    in the model's own dtype (0: only the final ``checkpoint/``, which is always written)."""
+    hf_keep_last: int = 0
+    """How many of the newest ``hf/step<N>/`` folders to keep (0: all)."""
 
 
 @dataclass
@@ -430,6 +436,8 @@ class RunConfig:
         need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
              f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
         need(self.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be ≥ 0 (0: keep all)")
+        need(self.checkpoint.hf_interval >= 0, "checkpoint.hf_interval", "must be ≥ 0 (0: only the final checkpoint)")
+        need(self.checkpoint.hf_keep_last >= 0, "checkpoint.hf_keep_last", "must be ≥ 0 (0: keep all)")
         need(self.publication.version_wait_s >= 0, "publication.version_wait_s", "must be ≥ 0")
         need(self.publication.load_attempts >= 1, "publication.load_attempts", "must be ≥ 1")
         need(self.publication.protocol in ("tcp", "rdma"), "publication.protocol",
