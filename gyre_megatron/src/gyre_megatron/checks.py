@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gyre_megatron import compat
+from gyre_megatron.figures import objective_figures
 from gyre_megatron.model import gpt_forward_step
 
 __all__ = ["RankChecks"]
@@ -92,8 +93,6 @@ class RankChecks:
     def stream_grads_hf(self, queue_idx: int) -> dict[str, Any]:
         """Cell-local: stream the queue through the pipeline, return the gradients (HF names)
         and, on the last stage, the objective's figures; applies no update, leaves no grads."""
-        from gyre_megatron.runtime import objective_figures
-
         self.zero_grads()
         res = self._stream(self._control(queue_idx))
         out: dict[str, Any] = {"grads": self.grads_hf(), "micro_steps": res.micro_steps}

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from gyre_megatron import compat
 from gyre_megatron.checks import RankChecks
+from gyre_megatron.figures import objective_figures
 from gyre_megatron.model import ModelSpec, build_stage, gpt_forward_step, make_optimizer
 from gyre_megatron.offload import Offloader
 from gyre_megatron.streaming import ControlChannel, run_streaming_1f1b
@@ -538,26 +539,6 @@ class CellRank(RankChecks):
         else:  # a satellite leaving after the burst's last step keeps stale weights
             self.version = step + 1 if self.is_core else -1
         return info
-
-
-def objective_figures(losses: Sequence[Any], stream: Any = None) -> dict[str, float]:
-    """This cell's share of a step's training figures, from the loss function's per-micro-step
-    outputs (last stage): sums, except ``ratio_max``. Plain items contribute ``loss_sum`` and
-    ``tokens`` only. With the stream's result, also the forward-only ratio pass over split
-    executions' other rows: its tokens and seconds."""
-    out = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "ratio_max": 0.0, "tokens": 0.0}
-    if stream is not None:
-        out["ratio_pass_tokens"] = float(stream.outside_tokens)
-        out["ratio_pass_s"] = float(stream.outside_s)
-    for d in losses:
-        if not isinstance(d, dict):
-            continue
-        out["loss"] += float(d.get("loss", d.get("loss_sum", 0.0)))
-        out["tokens"] += float(d.get("tokens", 0.0))
-        for k in ("executions", "clipped", "ratio_sum"):
-            out[k] += float(d.get(k, 0.0))
-        out["ratio_max"] = max(out["ratio_max"], float(d.get("ratio_max", 0.0)))
-    return out
 
 
 def _owned(obj: Any) -> Any:

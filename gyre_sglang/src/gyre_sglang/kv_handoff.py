@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from gyre_core.interfaces import EngineError, EngineUnreachable, GenerateResult
 
-from gyre_sglang.client import SGLangClient
+if TYPE_CHECKING:  # the client calls into this module: only its type is named here
+    from gyre_sglang.client import SGLangClient
 
 __all__ = ["DestinationUnreachable", "HandOffError", "HandOffResult", "continue_on", "hand_off"]
 
