@@ -214,3 +214,19 @@ def test_the_example_tasks_evaluator_scores_a_fix_and_ignores_edited_tests(tmp_p
     src = record["workspace"][module]
     (work / module).write_text(src[:src.index("return ") + len("return ")] + fixed + "\n")
     assert score() == 1.0
+
+
+def test_a_parquet_task_file_is_read_like_json_lines(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from gyre_core.tasks.file_tasks import gyre_task_instance, load_records
+
+    records = [{"prompt": f"task {i}", "workspace": [("a.py", f"x = {i}\n")]} for i in range(3)]
+    table = pa.table({"prompt": [r["prompt"] for r in records],
+                      "workspace": pa.array([r["workspace"] for r in records], type=pa.map_(pa.string(), pa.string()))})
+    path = tmp_path / "tasks.parquet"
+    pq.write_table(table, path)
+    assert [r["prompt"] for r in load_records(path)] == ["task 0", "task 1", "task 2"]
+    inst = gyre_task_instance("file", 0, 7, {"train": str(path), "evaluator": ["true"]})
+    assert inst.prompt.startswith("task ") and inst.options["workspace_files"] == {"a.py": f"x = {inst.index}\n"}

@@ -1,6 +1,6 @@
 """A user's own tasks and rewards from files: no plugin, no package.
 
-``[task] train = "tasks.jsonl"`` (JSON lines, or a JSON list) holds one record per task. The
+``[task] train = "tasks.jsonl"`` (JSON lines, Parquet, or a JSON list) holds one record per task. The
 prompt is the record's ``prompt``, or ``prompt_template`` formatted with the record's fields
 (``"Fix {repo}: {issue}"``). A record's ``workspace`` is a file or folder (relative to the task
 file) copied into the execution's workspace before the harness starts, or an object of
@@ -72,10 +72,16 @@ class FileTaskInstance:
 
 @lru_cache(maxsize=8)
 def _load(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
-    text = Path(path).read_text(encoding="utf-8")
-    if path.endswith(".jsonl"):
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path}: Parquet task files need pyarrow (pip install 'gyre-core[parquet]')") from None
+        rows = pq.read_table(path).to_pylist()  # one dict per row, nested columns as lists and dicts
+    elif path.endswith(".jsonl"):
+        rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
+        text = Path(path).read_text(encoding="utf-8")
         rows = json.loads(text)
         if not isinstance(rows, list):
             raise ValueError(f"{path}: a JSON task file holds a list of records")
@@ -86,7 +92,8 @@ def _load(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
 
 
 def load_records(path: str | Path) -> tuple[dict[str, Any], ...]:
-    """The task file's records (JSON lines, or a JSON list of objects); cached while unchanged."""
+    """The task file's records (JSON lines ``.jsonl``, Parquet ``.parquet``, or a JSON list of
+    objects); cached while unchanged."""
     p = str(Path(path).resolve())
     return _load(p, os.stat(p).st_mtime_ns)
 
@@ -211,6 +218,8 @@ def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str
     index, epoch = record_for_group(len(records), seed, group_id)
     record = records[index]
     workspace = record.get("workspace")
+    if isinstance(workspace, list):  # a Parquet map column reads back as (path, content) pairs
+        workspace = dict(workspace)
     files = workspace if isinstance(workspace, dict) else {}
     src = str((Path(options["train"]).resolve().parent / workspace).resolve()) if isinstance(workspace, str) else ""
     return FileTaskInstance(index, epoch, record, render_prompt(record, str(options.get("prompt_template") or "")),
