@@ -93,6 +93,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ({"eval.interval": "2"}, "task.eval"),  # an evaluation needs held-out tasks
     ({"task.eval": '"held_out.jsonl"'}, "task.eval"),  # held-out tasks need the file task
     ({"eval.samples": "0"}, "eval.samples"),
+    ({"task.setup": '["make"]'}, "task.setup"),  # a set-up belongs to file tasks
     ({"eval.max_concurrent": "0"}, "eval.max_concurrent"),
     ({"watchdog.health_timeout_s": "0"}, "watchdog.health_timeout_s"),
 ])

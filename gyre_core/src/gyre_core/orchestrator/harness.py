@@ -30,8 +30,9 @@ from typing import Any, Sequence
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import ExecutionSpec
 from gyre_core.procutil import die_with_parent
+from gyre_core.tasks.workspace_command import run_in_workspace
 
-__all__ = ["HARNESS_ENDS", "SubprocessHarness", "classify_end", "harness_env", "launch_command"]
+__all__ = ["HARNESS_ENDS", "SubprocessHarness", "TaskSetupFailed", "classify_end", "harness_env", "launch_command"]
 
 HARNESS_ENDS = ("completed", "failed", "crashed")
 """How a harness process ended, which decides what its exit may mean for the reward:
@@ -178,6 +179,11 @@ def harness_env(spec: ExecutionSpec, home: Path) -> dict[str, str]:
     return env
 
 
+class TaskSetupFailed(RuntimeError):
+    """The task's set-up command failed in the workspace: the harness never started. Not the
+    policy's doing: the execution is excluded, never scored."""
+
+
 def launch_command(spec: ExecutionSpec) -> list[str] | None:
     """The argument list that runs ``spec.harness``, or ``None`` if it is not a built-in one."""
     x = spec.extra
@@ -236,10 +242,19 @@ def gyre_launch_harness(spec: ExecutionSpec) -> Any:
                     "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "IS_SANDBOX": "1"})
     pass_fds: tuple[int, ...] = ()
     if spec.extra.get("sandbox"):
-        from gyre_core.orchestrator.sandbox import SandboxSpec, prepare_dirs, wrap
+        from gyre_core.orchestrator.sandbox import prepare_dirs
 
         (home / "tmp").mkdir(exist_ok=True)
         prepare_dirs(workdir, home, home / "tmp")  # the sandbox's own user writes them
+    setup = spec.extra.get("setup")
+    if setup:  # the task's set-up, where and as the harness will run; never with the execution's key
+        code, _, detail = run_in_workspace(setup, str(workdir.resolve()), float(spec.extra.get("setup_timeout_s", 300.0)),
+                                           spec.extra.get("sandbox"), what="task set-up")
+        if code != 0:
+            raise TaskSetupFailed(detail)
+    if spec.extra.get("sandbox"):
+        from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
+
         launch = wrap(argv, SandboxSpec.from_extra(spec.extra["sandbox"]), str(workdir.resolve()), str(home.resolve()))
         argv, pass_fds = launch.argv, launch.pass_fds
         env["TMPDIR"] = str((home / "tmp").resolve())  # the sandbox's /tmp is empty and its own

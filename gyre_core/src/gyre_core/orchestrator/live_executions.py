@@ -20,7 +20,7 @@ from gyre_core.interfaces import (
     StateRef,
 )
 from gyre_core.orchestrator.failure import RunFailed
-from gyre_core.orchestrator.harness import classify_end
+from gyre_core.orchestrator.harness import TaskSetupFailed, classify_end
 from gyre_core.orchestrator.journal import selected_to_json, tree_to_json
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
@@ -156,10 +156,15 @@ class ExecutionsMixin:
             self.ledger.relaunch(eid, self.now() + spec.overall_budget_s)
         else:
             self.ledger.register(eid, self.now() + spec.overall_budget_s)
-        handle = self.pm.hook.gyre_launch_harness(spec=spec)
+        try:  # in a thread: copying a repository and the task's set-up take time
+            handle = await asyncio.to_thread(self._start_harness, ex, spec)
+        except TaskSetupFailed as e:
+            await self._setup_failed(eid, str(e))
+            return
         if handle is None:
             raise RunFailed(f"no plugin launches harness {spec.harness!r}")
-        ex.handle = handle
+        if ex.fate in ("cancelled", "stopped"):
+            return  # stopped while it started: _start_harness killed it
         code = await asyncio.get_running_loop().run_in_executor(self._blocking, handle.wait, spec.harness_timeout_s)
         if ex.fate in ("cancelled", "stopped"):
             return  # its cancellation (or the run's end) already ended it
@@ -253,6 +258,28 @@ class ExecutionsMixin:
                 return
             self._emit(answer)
             await asyncio.sleep(max(0.0, min(5.0, timeout, self.ledger.deadline(eid) - self.now())))
+
+    def _start_harness(self, ex: _Execution, spec: ExecutionSpec) -> Any:
+        """Launch (worker thread). The handle is recorded before the fate is read again, so a
+        cancellation or the run's end either finds it and kills it, or was seen here first."""
+        handle = self.pm.hook.gyre_launch_harness(spec=spec)
+        ex.handle = handle
+        if handle is not None and ex.fate in ("cancelled", "stopped"):
+            handle.kill()
+        return handle
+
+    async def _setup_failed(self, eid: int, detail: str) -> None:
+        """The task's set-up failed before the harness started: excluded with that cause (the
+        scheduler learns it as an execution ended without a reward), never scored."""
+        ex = self._execs[eid]
+        log.warning("execution %s: %s", eid, detail)
+        ex.outcome, ex.fate, ex.why = Outcome.OVERALL_TIMEOUT, "excluded", "task set-up failed"
+        self.proxy.close_execution(eid)
+        self.ledger.terminated(eid, Outcome.OVERALL_TIMEOUT, None)
+        if self.journal is not None:
+            self.journal.write("excluded", execution_id=eid, why=ex.why)
+        self.buffer.exclude(eid)
+        self._emit(ev.ExecutionEnded(eid, Outcome.OVERALL_TIMEOUT))
 
     async def _assess_once(self, eid: int, evaluator: Callable[[StateRef], Assessment | None],
                            timeout: float) -> ev.EvaluationValid | ev.EvaluationUnresolved:

@@ -74,6 +74,10 @@ class TaskSection:
     """A command run in the workspace, in the sandbox: exit 0/1, or a last line ``{"reward": x}``."""
     eval: str = ""
     """Held-out task file (same format as ``train``), run by ``[eval]`` and never trained on."""
+    setup: list[str] = field(default_factory=list)
+    """A command run in each workspace, in the sandbox, after the task's files are in and before
+    the harness starts (install the repository, build it); if it fails the execution is excluded."""
+    setup_timeout_s: float = 300.0
 
 
 @dataclass
@@ -336,6 +340,10 @@ class RunConfig:
         # commands run in their workspace, so such paths become absolute here
         self.harness.command = [_absolute_if_file(a) for a in self.harness.command]
         self.task.evaluator = [_absolute_if_file(a) for a in self.task.evaluator]
+        self.task.setup = [_absolute_if_file(a) for a in self.task.setup]
+        need(self.task.setup_timeout_s > 0, "task.setup_timeout_s", "must be > 0")
+        need(not self.task.setup or self.task.name == "file", "task.setup",
+             f"a set-up command belongs to file tasks (task.train), not {self.task.name!r}")
         if self.task.train and self.task.name == TaskSection.name:
             self.task.name = "file"  # a task file means the user's own tasks
         if self.task.name == "file":

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import subprocess
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -43,13 +42,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.tasks.workspace_command import run_in_workspace
 
 __all__ = ["TASK_NAME", "FileTaskInstance", "file_task_problems", "load_records", "record_for_group",
            "run_evaluator_command"]
 
 TASK_NAME = "file"
-OUTPUT_LIMIT_BYTES = 1 << 20
-"""What is read of an evaluator command's output (its last line is the verdict)."""
 
 
 @dataclass(frozen=True)
@@ -168,27 +166,11 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
     """Run the task's evaluator command in the workspace (inside the sandbox when the run has
     one; the task's record in ``GYRE_TASK_RECORD`` as JSON): ``(reward or None for unresolved,
     detail)``. Never raises for what the command does."""
-    argv, fds = list(cmd), ()
-    if sandbox:
-        from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
-
-        home = str(Path(workdir).parent / f"{Path(workdir).name}.home")
-        launch = wrap(argv, SandboxSpec.from_extra(sandbox), workdir, home)
-        argv, fds = launch.argv, launch.pass_fds
-    env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ}
-    env["GYRE_TASK_RECORD"] = json.dumps(dict(record or {}))
-    try:
-        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
-    except OSError as exc:
-        return None, f"evaluator command cannot start: {exc}"
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return None, f"evaluator command gave no verdict within {timeout_s:g} s"
-    lines = out[-OUTPUT_LIMIT_BYTES:].decode("utf-8", "replace").strip().splitlines()
+    code, out, detail = run_in_workspace(cmd, workdir, timeout_s, sandbox,
+                                         {"GYRE_TASK_RECORD": json.dumps(dict(record or {}))}, "evaluator command")
+    if code is None:  # could not start, or gave no verdict in time
+        return None, detail
+    lines = out.strip().splitlines()
     if lines and lines[-1].lstrip().startswith("{"):
         try:
             verdict = json.loads(lines[-1])
@@ -201,10 +183,9 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
             return value, "evaluator command: complete failure (nothing to assess)"
         if value is not None:
             return value, f"evaluator command: reward {value}"
-    code = proc.returncode
     if code in (0, 1):
-        return 1.0 - code, f"evaluator command exited {code}"
-    return None, f"evaluator command ended with {'signal ' + str(-code) if code < 0 else 'exit ' + str(code)}"
+        return 1.0 - code, detail
+    return None, detail
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -225,6 +206,8 @@ def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str
     return FileTaskInstance(index, epoch, record, render_prompt(record, str(options.get("prompt_template") or "")),
                             {"reward": str(options.get("reward") or ""),
                              "evaluator": list(options.get("evaluator") or []), "workspace_src": src,
+                             "setup": list(options.get("setup") or []),
+                             "setup_timeout_s": float(options.get("setup_timeout_s") or 300.0),
                              "workspace_files": {str(k): str(v) for k, v in files.items()}})
 
 
