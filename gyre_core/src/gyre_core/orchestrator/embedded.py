@@ -414,7 +414,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     summary["wall_s"] = round(time.monotonic() - t0, 2)
     summary["status"] = "ok"
     try:
-        _write_outputs(out, orch, summary, cfg, model_dir)
+        _write_outputs(out, orch, summary, cfg)
     finally:
         if publisher is not None:
             publisher.close()
@@ -512,8 +512,7 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any]
                           engine_options=serving_opts, **dataclasses.asdict(cfg.watchdog))
 
 
-def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig,
-                   model_dir: Path) -> None:
+def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:
     from gyre_core.simulator.timeline import write_role_timeline_svg
 
     steps = [(int(r["step"]), float(r["started_s"]), float(r["ended_s"])) for r in orch.step_records
