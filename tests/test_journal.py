@@ -93,6 +93,9 @@ def test_checkpoint_pruning_keeps_the_newest_and_what_a_resume_needs() -> None:
     assert prunable(ckpts, 2, published=3) == [0, 1, 3]         # step 2 rebuilds published version 3
     assert prunable(ckpts, 0, published=6) == []                # 0: keep all
     assert prunable({0: "a"}, 1, published=0) == []
+    # every 3 steps (after steps 3, 6, 9: steps 2, 5, 8), the 2 newest of those, and always the newest
+    ckpts10 = {s: f"c{s}" for s in range(10)}
+    assert prunable(ckpts10, 2, published=10, interval=3) == [0, 1, 2, 3, 4, 6, 7]  # 5, 8 and 9 stay
 
 
 def test_a_deleted_checkpoint_is_not_offered_to_a_resume(tmp_path) -> None:

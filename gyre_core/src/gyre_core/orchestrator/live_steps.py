@@ -59,13 +59,16 @@ class LostTraining:
         self.last_step_info = [{"joined": False, "lost": self.why}]
 
 
-def prunable(checkpoints: Mapping[int, str], keep_last: int, published: int) -> list[int]:
-    """Steps whose checkpoints may go: all but the ``keep_last`` newest (0: none go), and never
-    the one a resume needs to rebuild published policy ``published`` (the state after step
-    ``published - 1``; a Mooncake publication lives only in memory)."""
-    if keep_last <= 0:
+def prunable(checkpoints: Mapping[int, str], keep_last: int, published: int, interval: int = 1) -> list[int]:
+    """Steps whose checkpoints may go: all but the ``keep_last`` newest of those taken every
+    ``interval`` steps (after steps ``interval``, ``2·interval``, ...; 0: none go), and never the
+    newest one (``--resume`` continues from it) nor the one a resume needs to rebuild published
+    policy ``published`` (the state after step ``published - 1``; a Mooncake publication lives only
+    in memory)."""
+    if keep_last <= 0 or not checkpoints:
         return []
-    keep = set(sorted(checkpoints)[-keep_last:]) | {published - 1}
+    kept = [s for s in sorted(checkpoints) if (s + 1) % max(1, interval) == 0][-keep_last:]
+    keep = set(kept) | {max(checkpoints), published - 1}
     return sorted(s for s in checkpoints if s not in keep)
 
 
@@ -183,7 +186,8 @@ class StepsMixin:
             await self._cell_call(0, save, path)
             self.journal.write("checkpoint", step=st.step, path=path)
             self._checkpoints[st.step] = path
-            for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.weights.version):
+            for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.weights.version,
+                                self.cfg.checkpoint.interval):
                 self.journal.write("checkpoint_deleted", step=old)  # first: a crash now never names a gone one
                 await asyncio.to_thread(shutil.rmtree, self._checkpoints.pop(old), True)
         for g in st.groups:

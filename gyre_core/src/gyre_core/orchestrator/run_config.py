@@ -259,8 +259,13 @@ class CheckpointSection:
     and the model folders a user keeps."""
 
     keep_last: int = 2
-    """How many of the newest step checkpoints to keep (0: all). The one a resume needs to rebuild
-    the last published policy is always kept too. A 7B model's state is ~100 GB a step."""
+    """How many of the newest kept step checkpoints to keep (0: all). The newest (``--resume``
+    continues from it) and the one a resume needs to rebuild the last published policy are always
+    kept too. A 7B model's state is ~100 GB a step."""
+    interval: int = 1
+    """Which step checkpoints count for ``keep_last``: those after every ``interval`` steps. The
+    state is still written after each step (a resume continues from the newest); the others go
+    as soon as a newer one is written."""
     hf_interval: int = 0
     """Also write the policy after every ``hf_interval`` steps as a model folder ``hf/step<N>/``
     in the model's own dtype (0: only the final ``checkpoint/``, which is always written)."""
@@ -444,6 +449,7 @@ class RunConfig:
         need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
              f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
         need(self.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be ≥ 0 (0: keep all)")
+        need(self.checkpoint.interval >= 1, "checkpoint.interval", "must be ≥ 1")
         need(self.checkpoint.hf_interval >= 0, "checkpoint.hf_interval", "must be ≥ 0 (0: only the final checkpoint)")
         need(self.checkpoint.hf_keep_last >= 0, "checkpoint.hf_keep_last", "must be ≥ 0 (0: keep all)")
         need(self.publication.version_wait_s >= 0, "publication.version_wait_s", "must be ≥ 0")
