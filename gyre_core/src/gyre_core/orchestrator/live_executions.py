@@ -272,6 +272,8 @@ class ExecutionsMixin:
         """The task's set-up failed before the harness started: excluded with that cause (the
         scheduler learns it as an execution ended without a reward), never scored."""
         ex = self._execs[eid]
+        if ex.fate in ("cancelled", "stopped"):
+            return  # already ended (and announced) by its cancellation or the run's end
         log.warning("execution %s: %s", eid, detail)
         ex.outcome, ex.fate, ex.why = Outcome.OVERALL_TIMEOUT, "excluded", "task set-up failed"
         self.proxy.close_execution(eid)
