@@ -163,6 +163,19 @@ class HeldOutEvaluation:
         self._report(version, {f"eval/{k}": float(v) for k, v in result.items()
                                if k in ("pass_rate", "mean_reward", "executions", "unresolved") and v is not None})
 
+    async def _assign(self, eid: int) -> None:
+        """Pin the execution to a rollout engine, waiting (up to the harness timeout) while every
+        engine trains: in Colocate the whole pool may be training when an evaluation starts."""
+        deadline = self._now() + self._timeout
+        while True:
+            try:
+                self._proxy.router.assign(eid)
+                return
+            except Exception:
+                if self._now() >= deadline:
+                    raise
+                await asyncio.sleep(1.0)
+
     async def _one(self, version: int, task: int, inst: Any) -> dict[str, Any]:
         async with self._slots:
             eid = next(self._ids)
@@ -173,7 +186,7 @@ class HeldOutEvaluation:
                                  api_key=key, harness_timeout_s=self._timeout, overall_budget_s=self._budget,
                                  harness=self._harness, task=inst.prompt, extra=self._extra(inst))
             try:
-                self._proxy.router.assign(eid)
+                await self._assign(eid)
                 handle = await loop.run_in_executor(self._threads, self._launch, spec)
                 self._handles.add(handle)
                 try:
