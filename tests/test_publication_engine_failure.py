@@ -82,6 +82,7 @@ class StandInOrchestrator(StepsMixin):
         self._publishing: int | None = 2
         self.started: list[str] = []
         self.evaluation = None  # no held-out tasks
+        self.cfg = SimpleNamespace(checkpoint=SimpleNamespace(hf_interval=0), run=SimpleNamespace(steps=3))
 
         def make_serving(engine: int, options: Any) -> StandInServing:
             return StandInServing(options["url"])
