@@ -19,3 +19,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def offline_sandbox(tmp_path):
+    """A sandbox spec (as an execution's ``extra["sandbox"]``) whose proxy socket exists but serves
+    nothing: for commands that run in the sandbox and never call the policy."""
+    from gyre_core.orchestrator.sandbox import SandboxSpec
+
+    sock_dir = tmp_path / "sock"
+    sock_dir.mkdir(mode=0o711)
+    (sock_dir / "proxy.sock").touch()
+    return SandboxSpec((), str(sock_dir / "proxy.sock"), "127.0.0.1", 8399).as_extra()

@@ -119,13 +119,10 @@ def test_an_evaluator_command_gives_a_reward_or_unresolved_never_a_made_up_zero(
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
-def test_the_evaluator_command_runs_inside_the_sandbox(tmp_path: Path) -> None:
-    from gyre_core.orchestrator.sandbox import SANDBOX_UID, SandboxSpec, prepare_dirs
+def test_the_evaluator_command_runs_inside_the_sandbox(tmp_path: Path, offline_sandbox: dict) -> None:
+    from gyre_core.orchestrator.sandbox import SANDBOX_UID, prepare_dirs
 
-    sock_dir = tmp_path / "sock"
-    sock_dir.mkdir(mode=0o711)
-    (sock_dir / "proxy.sock").touch()
-    sandbox = SandboxSpec((), str(sock_dir / "proxy.sock"), "127.0.0.1", 8399).as_extra()
+    sandbox = offline_sandbox
     spec, state = _spec(tmp_path, {"task": "file", "record": {}, "sandbox": sandbox, "evaluator": [
         sys.executable, "-c", "import os, json; print(json.dumps({'reward': float(os.getuid())}))"]})
     home = Path(spec.workdir).parent / "w.home"
@@ -180,18 +177,16 @@ def test_a_records_files_are_copied_into_the_workspace_before_the_harness(tmp_pa
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
-def test_the_example_tasks_evaluator_scores_a_fix_and_ignores_edited_tests(tmp_path: Path) -> None:
+def test_the_example_tasks_evaluator_scores_a_fix_and_ignores_edited_tests(tmp_path: Path,
+                                                                        offline_sandbox: dict) -> None:
     """``examples/tasks``: the shipped task set's evaluator, as a run calls it (in the sandbox):
     the planted bug scores 0, the fix scores 1, and an agent that guts the test gains nothing."""
-    from gyre_core.orchestrator.sandbox import SandboxSpec, prepare_dirs
+    from gyre_core.orchestrator.sandbox import prepare_dirs
 
     repo = Path(__file__).resolve().parents[1]
     examples = repo / "examples" / "tasks"
     record = json.loads((examples / "train.jsonl").read_text().splitlines()[0])
-    sock_dir = tmp_path / "sock"
-    sock_dir.mkdir(mode=0o711)
-    (sock_dir / "proxy.sock").touch()
-    sandbox = SandboxSpec((), str(sock_dir / "proxy.sock"), "127.0.0.1", 8399).as_extra()
+    sandbox = offline_sandbox
     work, home = tmp_path / "w", tmp_path / "w.home"
     work.mkdir()
     home.mkdir()

@@ -53,13 +53,10 @@ def test_a_failing_set_up_starts_no_harness(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
-def test_the_set_up_runs_inside_the_sandbox_as_its_user(tmp_path: Path) -> None:
-    from gyre_core.orchestrator.sandbox import SANDBOX_UID, SandboxSpec
+def test_the_set_up_runs_inside_the_sandbox_as_its_user(tmp_path: Path, offline_sandbox: dict) -> None:
+    from gyre_core.orchestrator.sandbox import SANDBOX_UID
 
-    sock_dir = tmp_path / "sock"
-    sock_dir.mkdir(mode=0o711)
-    (sock_dir / "proxy.sock").touch()
-    sandbox = SandboxSpec((), str(sock_dir / "proxy.sock"), "127.0.0.1", 8399).as_extra()
+    sandbox = offline_sandbox
     spec = _spec(tmp_path, SETUP, sandbox)
     handle = gyre_launch_harness(spec=spec)
     assert handle.wait(60) == 0

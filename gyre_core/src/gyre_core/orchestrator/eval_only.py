@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import secrets
@@ -29,10 +28,8 @@ from gyre_core.orchestrator.embedded import (
     sandbox_gate,
 )
 from gyre_core.orchestrator.evaluation import EvalPlan, HeldOutEvaluation
-from gyre_core.orchestrator.live_executions import harness_extra
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import ConfigError, RunConfig
-from gyre_core.tasks.file_tasks import load_records
 
 __all__ = ["evaluate_model"]
 
@@ -85,21 +82,12 @@ async def _evaluate(cfg: RunConfig, model: Path, out: Path, pm: Any, engines: li
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     sandbox, sock_server, sock_task, sock_dir = await sandbox_gate(app, cfg, out, port)
     try:
-        options = {**dataclasses.asdict(cfg.task), "train": cfg.task.eval}
-        instances = [pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed, options=options)
-                     for g in range(len(load_records(cfg.task.eval)))]
-        instances.sort(key=lambda inst: getattr(inst, "index", 0))
         e = cfg.eval
         t0 = time.monotonic()
-        evaluation = HeldOutEvaluation(
-            EvalPlan(0, True, e.samples, e.max_concurrent, e.pass_threshold), instances, proxy=service,
-            proxy_url=f"http://{cfg.proxy.host}:{port}", out_dir=out, harness=cfg.harness.kind,
-            harness_timeout_s=cfg.harness.timeout_s, overall_budget_s=cfg.harness.overall_budget_s,
-            evaluator_timeout_s=cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, cfg.harness.overall_budget_s / 4)),
-            harness_extra=lambda inst: harness_extra(cfg, inst, sandbox),
-            launch=lambda spec: pm.hook.gyre_launch_harness(spec=spec),
-            evaluate=lambda spec, state: pm.hook.gyre_evaluate(spec=spec, state=state),
-            progress=say, report=lambda version, metrics: None, now=lambda: time.monotonic() - t0)
+        evaluation = HeldOutEvaluation.for_run(
+            cfg, pm, proxy=service, proxy_url=f"http://{cfg.proxy.host}:{port}", out_dir=out, sandbox=sandbox,
+            progress=say, report=lambda version, metrics: None, now=lambda: time.monotonic() - t0,
+            plan=EvalPlan(0, True, e.samples, e.max_concurrent, e.pass_threshold))
         evaluation.start(0, last=0)
         await evaluation.finish()
         if not evaluation.results:

@@ -31,12 +31,12 @@ import json
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, Validity
-from gyre_core.orchestrator.live_executions import infra_verdict
+from gyre_core.orchestrator.live_executions import harness_extra, infra_verdict
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,30 @@ class HeldOutEvaluation:
         self._started: set[int] = set()
         self._handles: set[Any] = set()
         self._threads = ThreadPoolExecutor(max_workers=2 * plan.max_concurrent, thread_name_prefix="gyre-eval")
+
+    @classmethod
+    def for_run(cls, cfg: Any, pm: Any, *, proxy: Any, proxy_url: str, out_dir: Path,
+                sandbox: Mapping[str, Any] | None, progress: Callable[[str], None],
+                report: Callable[[int, dict[str, float]], None], now: Callable[[], float],
+                plan: EvalPlan | None = None) -> HeldOutEvaluation:
+        """The evaluation of run configuration ``cfg`` (``task.eval``, ``[eval]``, the harness),
+        its tasks drawn through the plugin hooks: every record of the eval file once, in order."""
+        from gyre_core.tasks.file_tasks import load_records
+
+        options = {**asdict(cfg.task), "train": cfg.task.eval}  # the eval file, drawn like a train file
+        instances = [pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed, options=options)
+                     for g in range(len(load_records(cfg.task.eval)))]
+        instances.sort(key=lambda inst: getattr(inst, "index", 0))
+        e = cfg.eval
+        return cls(
+            plan or EvalPlan(e.interval, e.before_train, e.samples, e.max_concurrent, e.pass_threshold), instances,
+            proxy=proxy, proxy_url=proxy_url, out_dir=out_dir, harness=cfg.harness.kind,
+            harness_timeout_s=cfg.harness.timeout_s, overall_budget_s=cfg.harness.overall_budget_s,
+            evaluator_timeout_s=cfg.harness.evaluator_bound_s,
+            harness_extra=lambda inst: harness_extra(cfg, inst, sandbox),
+            launch=lambda spec: pm.hook.gyre_launch_harness(spec=spec),
+            evaluate=lambda spec, state: pm.hook.gyre_evaluate(spec=spec, state=state),
+            progress=progress, report=report, now=now)
 
     def start(self, version: int, last: int) -> None:
         """Evaluate policy ``version`` in the background if the plan says so (once per version)."""

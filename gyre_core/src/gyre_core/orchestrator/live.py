@@ -30,7 +30,7 @@ import logging
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, is_dataclass
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
@@ -38,7 +38,7 @@ from gyre_core.dataplane.assessment import AssessmentLedger
 from gyre_core.dataplane.packing import PackingConfig
 from gyre_core.dataplane.trajectory_buffer import TrajectoryBuffer
 from gyre_core.interfaces import WeightsRef
-from gyre_core.orchestrator.evaluation import EvalPlan, HeldOutEvaluation
+from gyre_core.orchestrator.evaluation import HeldOutEvaluation
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live_cells import CellHandles, CellsMixin, StandaloneHandles
@@ -154,14 +154,6 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         cfg = self.cfg
         if not cfg.task.eval:
             return None
-        from gyre_core.tasks.file_tasks import load_records
-
-        options = {**asdict(cfg.task), "train": cfg.task.eval}  # the eval file, drawn like a train file
-        instances = [self.pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed,
-                                                     options=options) for g in range(len(load_records(cfg.task.eval)))]
-        instances.sort(key=lambda inst: getattr(inst, "index", 0))  # every held-out task once, in file order
-        e = cfg.eval
-        plan = EvalPlan(e.interval, e.before_train, e.samples, e.max_concurrent, e.pass_threshold)
 
         def report(version: int, metrics: dict[str, float]) -> None:
             try:
@@ -169,14 +161,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             except Exception as exc:  # an observer must not cost the run
                 log.warning("metrics observer failed on the evaluation of version %s: %s", version, exc)
 
-        return HeldOutEvaluation(
-            plan, instances, proxy=self.proxy, proxy_url=self.proxy_url, out_dir=self.out_dir,
-            harness=cfg.harness.kind, harness_timeout_s=cfg.harness.timeout_s,
-            overall_budget_s=cfg.harness.overall_budget_s,
-            evaluator_timeout_s=cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, cfg.harness.overall_budget_s / 4)),
-            harness_extra=self._harness_extra, launch=lambda spec: self.pm.hook.gyre_launch_harness(spec=spec),
-            evaluate=lambda spec, state: self.pm.hook.gyre_evaluate(spec=spec, state=state),
-            progress=self.progress, report=report, now=self.now)
+        return HeldOutEvaluation.for_run(cfg, self.pm, proxy=self.proxy, proxy_url=self.proxy_url, out_dir=self.out_dir,
+                                         sandbox=self.sandbox, progress=self.progress, report=report, now=self.now)
 
     # ------------------------------------------------------------------ clock, events, tasks
 

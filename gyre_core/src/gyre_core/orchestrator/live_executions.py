@@ -215,7 +215,7 @@ class ExecutionsMixin:
         assert spec is not None
         if ex.infra_errors:  # the evaluator learns what Gyre answered: it may vouch for its score
             spec = ex.spec = replace(spec, extra={**spec.extra, "infrastructure_errors": list(ex.infra_errors)})
-        timeout = self.cfg.harness.evaluator_timeout_s or max(1.0, min(60.0, spec.overall_budget_s / 4))
+        timeout = self.cfg.harness.evaluator_bound_s
         spec = ex.spec = replace(spec, extra={**spec.extra, "evaluator_timeout_s": timeout})  # its bound
 
         def evaluator(state: StateRef) -> Assessment | None:

@@ -107,7 +107,7 @@ class HarnessSection:
     """Overall budget of an execution incl. evaluation retries: past it it is discarded."""
     evaluator_timeout_s: float = 0.0
     """Bound on one evaluator attempt (a hung one is unresolved and retried within the budget);
-    0: a quarter of ``overall_budget_s``, between 1 and 60 s."""
+    0: a quarter of ``overall_budget_s``, between 1 and 60 s (:attr:`evaluator_bound_s`)."""
     sandbox: str = "bwrap"
     """``bwrap``: each harness in its own bubblewrap sandbox (own /proc, run folder hidden, network
     only to the proxy); ``none``: unsandboxed, explicitly."""
@@ -131,6 +131,11 @@ class HarnessSection:
     grow each replay's context to that many tokens, capped to fit ``dataplane.token_budget``, so a
     step trains on contexts in proportion to the recording's. 0: one-line tool results."""
 
+
+    @property
+    def evaluator_bound_s(self) -> float:
+        """What one evaluator attempt may take (``evaluator_timeout_s``, or its default)."""
+        return self.evaluator_timeout_s or max(1.0, min(60.0, self.overall_budget_s / 4))
 
 @dataclass
 class DataPlaneSection:
