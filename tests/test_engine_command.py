@@ -30,10 +30,40 @@ def test_a_cells_engine_is_placed_on_the_cells_gpus(tmp_path) -> None:
     assert own.gpu_args() == []
 
 
+def test_a_cells_engine_starts_with_the_memory_saver(tmp_path) -> None:
+    """A cell's engine releases its memory while the cell trains, which SGLang does only with
+    its memory saver: Gyre adds it for cells (once, whatever the user passes), not for the
+    standalone pool's engine, which never switches."""
+    assert SGLangServer(tmp_path, memory_saver=True).gpu_args() == ["--tp-size", "1", "--enable-memory-saver"]
+    assert "--enable-memory-saver" not in SGLangServer(tmp_path).gpu_args()
+    both = SGLangServer(tmp_path, memory_saver=True, extra_args=["--enable-memory-saver"])
+    assert both.gpu_args() == ["--tp-size", "1"]
+
+
+@pytest.mark.parametrize("info, kv_handoff, named", [
+    ({"tp_size": 1, "device": "cpu"}, True, []),
+    ({"tp_size": 2, "device": "cuda", "enable_memory_saver": True}, True, ["proxy.kv_handoff"]),
+    ({"tp_size": 2, "device": "cuda", "enable_memory_saver": True}, False, []),
+    ({"tp_size": 1, "device": "cuda", "enable_memory_saver": False}, False, ["--enable-memory-saver"]),
+    ({"tp_size": 4, "device": "cuda"}, True, ["proxy.kv_handoff", "--enable-memory-saver"]),
+    ({"tp_size": 2, "device": "cpu"}, True, ["proxy.kv_handoff"]),
+])
+def test_an_engine_that_cannot_switch_as_configured_is_refused_by_name(info, kv_handoff, named) -> None:
+    """What the run asks each cell's engine (``/server_info``) before any execution: a KV
+    hand-off that would move one TP shard of the cache, or a GPU engine that cannot release its
+    memory, is one line each naming the setting; never a silent partial move."""
+    from gyre_sglang.serving_side import role_switch_problems
+
+    lines = role_switch_problems(info, "http://e0", kv_handoff=kv_handoff)
+    assert len(lines) == len(named)
+    for line, name in zip(lines, named):
+        assert name in line and "http://e0" in line and "\n" not in line
+
+
 def test_sglang_accepts_the_placement_flags() -> None:
     """The flags Gyre adds are SGLang's own (parsed by SGLang's server-argument parser)."""
     server_args = pytest.importorskip("sglang.srt.server_args")
     parser = argparse.ArgumentParser()
     server_args.ServerArgs.add_cli_args(parser)
-    known = parser.parse_args(["--model-path", "m", "--base-gpu-id", "4", "--tp-size", "2"])
-    assert (known.base_gpu_id, known.tp_size) == (4, 2)
+    known = parser.parse_args(["--model-path", "m", "--base-gpu-id", "4", "--tp-size", "2", "--enable-memory-saver"])
+    assert (known.base_gpu_id, known.tp_size, known.enable_memory_saver) == (4, 2, True)

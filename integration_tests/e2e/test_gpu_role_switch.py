@@ -100,9 +100,10 @@ def test_role_switches_release_and_restore_a_real_models_state(tmp_path: Path) -
             if (model_dir / name).exists():
                 (Path(v.location) / name).write_bytes((model_dir / name).read_bytes())
         server = start_sglang_server(v.location, tmp_path, "engine", max_total_tokens=2**18, timeout=600,
-                                     extra_args=["--enable-memory-saver", "--mem-fraction-static", "0.3"])
+                                     memory_saver=True, extra_args=["--mem-fraction-static", "0.3"])
         try:
             side = SGLangServingSide(server.url, cell=0, api_key=server.api_key)
+            assert side.role_switch_problems(kv_handoff=True) == []  # the memory saver is on, TP 1
             engine_weights = 4 * n_params  # served in the checkpoint's float32
             phases: list[dict] = []
 

@@ -77,3 +77,14 @@ def test_protocol_conformance_and_health(sglang_server):
     side = SGLangServingSide(sglang_server.url, cell=0, api_key=sglang_server.api_key)
     assert isinstance(side, ServingSide)
     assert side.health()
+    # the start check reads the engine's real /server_info: a CPU engine at TP 1 can switch with
+    # KV hand-off on (the fields it reads are there, so a TP 2 engine would be caught)
+    import asyncio
+
+    async def info() -> dict:
+        async with side._client() as c:
+            return await c.server_info()
+
+    got = asyncio.run(info())
+    assert (got["tp_size"], got["device"], "enable_memory_saver" in got) == (1, "cpu", True)
+    assert side.role_switch_problems(kv_handoff=True) == []

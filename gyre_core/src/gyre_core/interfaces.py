@@ -339,6 +339,13 @@ class ServingSide(Protocol):
         """True when the engine answers and can generate."""
         ...
 
+    def role_switch_problems(self, *, kv_handoff: bool) -> list[str]:
+        """Asked once at start, for a cell's engine: why this engine cannot switch roles as the
+        run is configured, one line each (empty: it can). For example an engine on a GPU that
+        cannot release its memory for training, or one whose KV cache is sharded over ranks that
+        a hand-off (``kv_handoff``) would not all move. The run refuses to start on any."""
+        ...
+
 
 @runtime_checkable
 class TrajectoryLeaf(Protocol):

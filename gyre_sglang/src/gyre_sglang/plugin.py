@@ -76,6 +76,7 @@ def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
         env=_mooncake_env(options.get("mooncake")),
         base_gpu_id=None if options.get("base_gpu_id") is None else int(options["base_gpu_id"]),
         tp_size=int(options.get("tp_size", 1)),
+        memory_saver=bool(options.get("memory_saver", False)),
     )
     return server.start(timeout=float(options.get("start_timeout_s", 300.0)))
 

@@ -100,6 +100,9 @@ class SGLangServer:
     """The first of the cell's GPUs (``--base-gpu-id``); with ``tp_size`` the engine spans the
     GPUs its cell trains on. Ignored without CUDA, and where ``extra_args`` name their own."""
     tp_size: int = 1
+    memory_saver: bool = False
+    """On a GPU, start with ``--enable-memory-saver``: a cell's engine, which releases its weights
+    and KV cache while its cell trains (SGLang can release GPU memory only when started so)."""
     proc: subprocess.Popen[bytes] | None = None
     tmpdir: str | None = field(default=None, init=False)
     """The running server's private ``TMPDIR`` (its IPC sockets); removed when it stops."""
@@ -143,13 +146,15 @@ class SGLangServer:
 
     def gpu_args(self) -> list[str]:
         """``--base-gpu-id`` and ``--tp-size`` for this engine's GPUs, unless the user's
-        ``extra_args`` already place it."""
+        ``extra_args`` already place it, and the memory saver a cell's engine needs."""
         given = {a.split("=", 1)[0] for a in self.extra_args}
         out: list[str] = []
         if self.base_gpu_id is not None and "--base-gpu-id" not in given:
             out += ["--base-gpu-id", str(self.base_gpu_id)]
         if not given & {"--tp", "--tp-size", "--tensor-parallel-size"}:
             out += ["--tp-size", str(self.tp_size)]
+        if self.memory_saver and "--enable-memory-saver" not in given:
+            out += ["--enable-memory-saver"]
         return out
 
     def environment(self, tmpdir: str) -> dict[str, str]:

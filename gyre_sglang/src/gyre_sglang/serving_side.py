@@ -27,13 +27,13 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from gyre_core.interfaces import EngineError, PhaseTiming, WeightsRef
 
 from gyre_sglang.client import SGLangClient
 
-__all__ = ["SGLangServingSide", "WeightLoader"]
+__all__ = ["SGLangServingSide", "WeightLoader", "role_switch_problems"]
 
 log = logging.getLogger("gyre.sglang")
 
@@ -205,6 +205,10 @@ class SGLangServingSide:
         async with self._client() as c:
             return await c.health()
 
+    async def arole_switch_problems(self, *, kv_handoff: bool) -> list[str]:
+        async with self._client() as c:
+            return role_switch_problems(await c.server_info(), self.url, kv_handoff=kv_handoff)
+
     # -- the synchronous ServingSide protocol ---------------------------------------------------
 
     def to_training(self, hand_off: Callable[[Sequence[str]], None]) -> Sequence[PhaseTiming]:
@@ -218,3 +222,30 @@ class SGLangServingSide:
 
     def health(self) -> bool:
         return asyncio.run(self.ahealth())
+
+    def role_switch_problems(self, *, kv_handoff: bool) -> list[str]:
+        return asyncio.run(self.arole_switch_problems(kv_handoff=kv_handoff))
+
+
+def role_switch_problems(info: Mapping[str, Any], url: str, *, kv_handoff: bool) -> list[str]:
+    """Why the engine whose ``/server_info`` is ``info`` cannot switch roles in this run.
+
+    * KV hand-off runs on the engine's TP rank 0 (Gyre's scheduler plugin there pins, exports
+      and imports the pages), so on a tensor-parallel engine it would move one shard of the heads:
+      refused rather than done in part.
+    * On a GPU, SGLang releases weights and KV cache only when started with
+      ``--enable-memory-saver`` (Gyre sets it for every cell's engine); without it, training
+      would share the GPU with a full engine.
+    """
+    problems: list[str] = []
+    tp = int(info.get("tp_size") or 1)
+    if kv_handoff and tp > 1:
+        problems.append(f"proxy.kv_handoff: engine {url} runs SGLang tensor parallelism {tp}, and a KV hand-off "
+                        "moves the cache of TP rank 0 only: set proxy.kv_handoff = false (a moved call then "
+                        "re-prefills on its new engine)")
+    device = str(info.get("device") or "")
+    if device.startswith("cuda") and not info.get("enable_memory_saver"):
+        problems.append(f"serving: engine {url} runs on a GPU without --enable-memory-saver, so a role switch "
+                        "would not release its weights and KV cache for training (Gyre starts a cell's "
+                        "engine with it; one started otherwise needs it too)")
+    return problems

@@ -342,7 +342,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     n = cfg.training.tp * cfg.training.pp  # GPUs per cell; its engine spans them (SGLang tensor parallelism)
     started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
                                                        {**opts, "log_path": str(out / f"engine{i}.log"),
-                                                        "base_gpu_id": i * n, "tp_size": n}, engines)
+                                                        "base_gpu_id": i * n, "tp_size": n,
+                                                        "memory_saver": True}, engines)
                                      for i in range(k)))
     standalone_engine = None
     if cfg.scheduler.standalone_capacity > 0:  # the pool: an engine of its own on this node, never switched
@@ -363,6 +364,11 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                            kind="cell", cell_index=i, capacity=cfg.scheduler.cell_capacity)
         serving = pm.hook.gyre_make_serving_side(engine=i, options={**serving_opts, "url": e.url})
         cells.append(CellHandles(i, serving, training[i], e.url))
+    # before any execution: an engine that could not switch roles as configured stops the run here
+    problems = [p for c in cells for p in await asyncio.to_thread(c.serving.role_switch_problems,
+                                                                  kv_handoff=cfg.proxy.kv_handoff)]
+    if problems:
+        raise ConfigError("\n".join(problems))
     standalone = None
     if standalone_engine is not None:
         service.add_engine(pm.hook.gyre_make_engine_client(url=standalone_engine.url, options={"api_key": engine_key}),
