@@ -17,7 +17,7 @@ import torch
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 transformers = pytest.importorskip("transformers")
 
-from gyre_megatron.export import load_hf_qwen2  # noqa: E402
+from gyre_megatron.export import load_hf_model  # noqa: E402
 from gyre_megatron.testing import make_items  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def test_export_pp1_logits_match_hf(tmp_path) -> None:
         tokens = make_items(1, seed=5)[0]["tokens"]
         mlogits = w.call([0], "logits", tokens)[0]  # [1, S, V]
     assert ref.version == 3 and ref.location.endswith("v3")
-    hf = load_hf_qwen2(ref.location)
+    hf = load_hf_model(ref.location)
     with torch.no_grad():
         hlogits = hf(tokens).logits.numpy()
     assert hlogits.shape == mlogits.shape

@@ -52,13 +52,13 @@ SPLIT_CLIPPED = 3
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
 def world(request, tmp_path_factory):
-    from gyre_megatron.export import load_hf_qwen2, publish
+    from gyre_megatron.export import load_hf_model, publish
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
     with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=8) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
-        hf = load_hf_qwen2(ref.location).double()
+        hf = load_hf_model(ref.location).double()
         yield w, hf
 
 
@@ -195,14 +195,14 @@ def test_a_step_with_nothing_to_train_leaves_the_weights_alone(world) -> None:
 
 @pytest.fixture(scope="module")
 def world_k2(tmp_path_factory):
-    from gyre_megatron.export import load_hf_qwen2, publish
+    from gyre_megatron.export import load_hf_model, publish
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
     opts = RankOptions(cells=2, pp=1, normalise_by_tokens=False, keep_update_grads=True)
     with World(opts, n_queues=1 + JOIN_ATTEMPTS) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo-k2"))}, version=0)
-        yield w, load_hf_qwen2(ref.location).double()
+        yield w, load_hf_model(ref.location).double()
 
 
 @pytest.mark.mooncake

@@ -1,10 +1,16 @@
-"""The user's model: an HF Qwen2-family checkpoint initialises the Megatron cells.
+"""The user's model: an HF checkpoint of a supported family initialises the Megatron cells.
 
-Two checkpoints built locally with non-default shapes (nothing is downloaded): a GQA model with
-untied embeddings and one with tied embeddings (as the small Qwen2 releases have), random biases
-so the QKV bias layout is exercised. For each, PP = 1 and PP = 2: at start Megatron's outputs equal
-HF transformers' on the same checkpoint (fp32, ≤ 1e-4), and the export of the imported weights
-gives back the original tensors exactly (the import is the export's inverse).
+Checkpoints built locally with non-default shapes (nothing is downloaded), random biases and norm
+scales so every layout is exercised:
+
+* Qwen2: a GQA model with untied embeddings and one with tied embeddings (as the small Qwen2
+  releases have), at PP = 1 and PP = 2;
+* Qwen3 (per-head q/k norms, a head size of 16 where hidden / heads is 8) and Llama (no biases, a
+  head size of 12), each at TP 1, TP 2 and TP 2 × PP 2.
+
+For each: at start Megatron's outputs equal HF transformers' on the same checkpoint (fp32,
+≤ 1e-4: logits where the cell is one stage, every token's loss everywhere), and the export of the
+imported weights gives back the original tensors exactly (the import is the export's inverse).
 """
 
 from __future__ import annotations
@@ -21,45 +27,54 @@ transformers = pytest.importorskip("transformers")
 
 from gyre_megatron.hf_import import UnsupportedModel, spec_from_hf_config, spec_from_hf_dir  # noqa: E402
 
+LAYOUTS = [("qwen2", False, 1, 1), ("qwen2", False, 1, 2), ("qwen2", True, 1, 1), ("qwen2", True, 1, 2),
+           ("qwen3", False, 1, 1), ("qwen3", False, 2, 1), ("qwen3", False, 2, 2),
+           ("llama", False, 1, 1), ("llama", False, 2, 1), ("llama", False, 2, 2)]
+"""(family, tied, tp, pp)"""
 
-def build_checkpoint(path: Path, tied: bool, seed: int) -> dict[str, torch.Tensor]:
-    from gyre_megatron.testing import build_qwen2_checkpoint
 
-    return build_qwen2_checkpoint(path, tied, seed)
-
-
-@pytest.fixture(scope="module", params=[(False, 1), (False, 2), (True, 1), (True, 2)],
-                ids=["untied-pp1", "untied-pp2", "tied-pp1", "tied-pp2"])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{f}-{'tied' if t else 'untied'}-tp{tp}-pp{pp}"
+                                                     for f, t, tp, pp in LAYOUTS])
 def imported(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import build_checkpoint
 
-    tied, pp = request.param
+    family, tied, tp, pp = request.param
     ckpt = tmp_path_factory.mktemp("ckpt")
-    original = build_checkpoint(ckpt, tied, seed=11 + int(tied))
+    original = build_checkpoint(ckpt, tied, seed=11 + int(tied), family=family)
     spec = spec_from_hf_dir(ckpt)
-    assert (spec.num_query_groups, spec.ffn_hidden_size, spec.tie_embeddings) == (2, 80, tied)
+    assert (spec.family, spec.num_query_groups, spec.ffn_hidden_size, spec.tie_embeddings) == (family, 2, 80, tied)
     assert (spec.rope_theta, spec.norm_eps, spec.vocab_size) == (50000.0, 1e-5, 160)
-    with World(RankOptions(cells=1, pp=pp, spec=spec, init_from=str(ckpt)), n_queues=2) as w:
+    assert (spec.qkv_bias, spec.qk_norm, spec.kv_channels) == {
+        "qwen2": (True, False, 8), "qwen3": (False, True, 16), "llama": (False, False, 12)}[family]
+    with World(RankOptions(cells=1, tp=tp, pp=pp, spec=spec, init_from=str(ckpt)), n_queues=2) as w:
         yield w, ckpt, original, tmp_path_factory.mktemp("export")
+
+
+def _hf_model(ckpt: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").float().eval()
 
 
 def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
     from gyre_megatron.testing import feed_in_bursts, make_items
 
     w, ckpt, _, _ = imported
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").float().eval()
+    hf = _hf_model(ckpt)
     items = make_items(3, seq_len=24, vocab=160, seed=2)
-    if w.opts.pp == 1:
-        mlogits = w.call([0], "logits", items[0]["tokens"])[0]
+    if w.opts.pp == 1:  # the vocabulary is split over the tensor shards: their logits side by side
+        shards = w.call(w.ranks_of(0), "logits", items[0]["tokens"])
+        mlogits = np.concatenate(shards, axis=-1)
         with torch.no_grad():
             hlogits = hf(items[0]["tokens"]).logits.numpy()
         err = float(np.abs(hlogits - mlogits).max())
-        print(f"\nimport pp1 tied={w.opts.spec.tie_embeddings}: logits max|HF - Megatron| {err:.3g}, max|logit| {float(np.abs(hlogits).max()):.3g}")
+        print(f"\nimport {w.opts.spec.family} tp{w.opts.tp} pp1 tied={w.opts.spec.tie_embeddings}: "
+              f"logits max|HF - Megatron| {err:.3g}, max|logit| {float(np.abs(hlogits).max()):.3g}")
         assert err <= 1e-4 and float(np.abs(mlogits).max()) > 0.1
     tk = w.submit(w.ranks_of(0), "stock_vs_stream", items, 0)
     feed_in_bursts(w.queues[0], items, burst=3, gap_s=0)
-    losses = w.wait(tk, 120)[-1]["stock_losses"]
+    losses = next(r for r in w.wait(tk, 120) if r.get("stock_losses"))["stock_losses"]
+    assert len(losses) == len(items)
     for it, mloss in zip(items, losses):
         with torch.no_grad():
             ce = torch.nn.functional.cross_entropy(hf(it["tokens"]).logits[0], it["labels"][0], reduction="none")
@@ -70,7 +85,7 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
 def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
     from safetensors.torch import load_file
 
-    from gyre_megatron.export import publish
+    from gyre_megatron.export import load_hf_model, publish
 
     w, ckpt, original, out = imported
     ref = publish(w, {"publish_dir": str(out)}, version=0)
@@ -81,6 +96,9 @@ def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
         assert torch.equal(exported[k], v), k
     cfg = json.loads((Path(ref.location) / "config.json").read_text())
     assert cfg["tie_word_embeddings"] == w.opts.spec.tie_embeddings and cfg["num_key_value_heads"] == 2
+    assert cfg["model_type"] == w.opts.spec.family
+    assert spec_from_hf_dir(ref.location) == w.opts.spec  # the export's config reads back as the same model
+    load_hf_model(ref.location)  # and loads strictly into the family's transformers class
 
 
 def test_tied_copies_stay_in_step_through_an_update(imported) -> None:
@@ -103,7 +121,14 @@ def test_tied_copies_stay_in_step_through_an_update(imported) -> None:
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type 'llama'"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type 'gemma'"),
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures ['LlamaForCausalLM']"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "model_type 'qwen3_moe'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),

@@ -100,7 +100,7 @@ def test_export_pp2_losses_match_hf(world_k2_pp2, tmp_path) -> None:
     pytest.importorskip("transformers")
     import torch
 
-    from gyre_megatron.export import load_hf_qwen2, publish
+    from gyre_megatron.export import load_hf_model, publish
 
     w = world_k2_pp2
     ref = publish(w, {"publish_dir": str(tmp_path)}, version=1)
@@ -108,7 +108,7 @@ def test_export_pp2_losses_match_hf(world_k2_pp2, tmp_path) -> None:
     tk = w.submit(w.ranks_of(0), "stock_vs_stream", items, 4)
     feed_in_bursts(w.queues[4], items, burst=3, gap_s=0)
     losses = w.wait(tk, 120)[-1]["stock_losses"]
-    hf = load_hf_qwen2(ref.location)
+    hf = load_hf_model(ref.location)
     for it, mloss in zip(items, losses):
         with torch.no_grad():
             logits = hf(it["tokens"]).logits[0]

@@ -1,4 +1,4 @@
-"""Build a tiny Qwen2-family model and a locally trained tokenizer, with nothing downloaded.
+"""Build a tiny model (Qwen2 by default) and a locally trained tokenizer, with nothing downloaded.
 
 Tests, benchmarks and the embedded default of ``gyre-orchestrate run`` need a real model directory
 that SGLang can serve and transformers can load: config, safetensors weights, a tokenizer and a
@@ -18,6 +18,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model", "cached_tiny_model"]
 
@@ -118,15 +119,26 @@ def build_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 8192,
     seed: int = 0,
+    family: str = "qwen2",
 ) -> Path:
-    """Write a tiny random Qwen2 model with a locally trained BPE tokenizer to ``out_dir``.
+    """Write a tiny random model with a locally trained BPE tokenizer to ``out_dir``.
 
     Returns ``out_dir``. Deterministic for a given ``seed``. The saved directory loads with
-    ``AutoTokenizer``/``AutoModelForCausalLM`` and is served by SGLang as a Qwen2 model.
+    ``AutoTokenizer``/``AutoModelForCausalLM`` and is served by SGLang. ``family``: ``qwen2``
+    (the default), ``qwen3`` (q/k norms, a head twice ``hidden / heads`` wide) or ``llama``
+    (no biases), to run the whole job on each family a user may bring.
     """
     import torch
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    families = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden_size // num_heads}),
+                "llama": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": hidden_size // num_heads})}
+    if family not in families:
+        raise ValueError(f"family {family!r}: expected one of {sorted(families)}")
+    config_class, model_class, own = families[family]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,7 +165,7 @@ def build_tiny_model(
     tok.save_pretrained(out)
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = getattr(transformers, config_class)(
         vocab_size=len(tok),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -165,8 +177,9 @@ def build_tiny_model(
         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         torch_dtype="float32",
+        **own,
     )
-    model = Qwen2ForCausalLM(config)
+    model = getattr(transformers, model_class)(config)
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -181,7 +194,7 @@ def build_tiny_model(
     return out
 
 
-def cached_tiny_model(cache_root: str | Path | None = None, **kwargs: int) -> Path:
+def cached_tiny_model(cache_root: str | Path | None = None, **kwargs: Any) -> Path:
     """:func:`build_tiny_model` once per machine: reuse a finished build keyed by its inputs.
 
     Fast tests need the tokenizer and template, not a fresh model each session; the key covers the

@@ -83,7 +83,7 @@ class RankChecks:
 
     # ------------------------------------------------------------------ export test
     def grads_hf(self) -> dict[str, Any]:
-        """This stage's accumulated gradients under HF Qwen2 names (the export's mapping)."""
+        """This stage's accumulated gradients under HF names (the export's mapping)."""
         return self._as_hf({n: p.main_grad for n, p in self.ddp.module.named_parameters()})
 
     def update_grads_hf(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Weight export: megatron-core's GPT layout to the serving layout (Hugging Face Qwen2 names).
+"""Weight export: megatron-core's GPT layout to the serving layout (the Hugging Face names of the
+model's family: Qwen2, Qwen3 or Llama, :mod:`gyre_megatron.families`).
 
 Rollout engines (SGLang) load Hugging Face checkpoints, so the core publishes its weights under
 HF names, with Megatron's fused tensors split the way the HF modules expect:
@@ -6,6 +7,7 @@ HF names, with Megatron's fused tensors split the way the HF modules expect:
 * ``linear_qkv`` is laid out per query group ``[q_0..q_{r-1}, k, v]`` (``r`` = heads per group):
   it is regrouped into ``q_proj``, ``k_proj``, ``v_proj`` (weights and biases);
 * ``linear_fc1`` is ``[gate; up]`` (SwiGLU): split into ``gate_proj`` and ``up_proj``;
+* ``q_layernorm``/``k_layernorm`` (Qwen3) become ``q_norm``/``k_norm``;
 * layer ``i`` of pipeline stage ``s`` is global layer ``s·L/P + i``.
 
 Tensor-parallel shards are merged first (:func:`gyre_megatron.tp_layout.merge_tp`, on the ranks:
@@ -28,7 +30,7 @@ import torch
 from gyre_megatron.model import megatron_name
 from gyre_megatron.tp_layout import merge_tp
 
-__all__ = ["hf_config", "load_hf_qwen2", "megatron_to_hf", "merge_tp", "publish"]
+__all__ = ["hf_config", "load_hf_model", "megatron_to_hf", "merge_tp", "publish"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -43,8 +45,8 @@ def _split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple
 
 
 def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: int) -> dict[str, torch.Tensor]:
-    """Rename and split one pipeline stage's (TP-merged) parameters to HF Qwen2 names."""
-    hd = spec.hidden_size // spec.num_attention_heads
+    """Rename and split one pipeline stage's (TP-merged) parameters to HF names."""
+    hd = spec.kv_channels
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         name = megatron_name(name)
@@ -70,6 +72,8 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: i
                     out[p + f"self_attn.{proj}.{kind}"] = x.contiguous()
             elif rest == "self_attention.linear_proj.weight":
                 out[p + "self_attn.o_proj.weight"] = t
+            elif rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+                out[p + f"self_attn.{rest.split('.')[1][0]}_norm.weight"] = t
             elif rest == "mlp.linear_fc1.weight":
                 gate, up = t.chunk(2, dim=0)
                 out[p + "mlp.gate_proj.weight"] = gate.contiguous()
@@ -84,16 +88,21 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: i
 
 
 def hf_config(spec: Any) -> dict[str, Any]:
-    """The ``config.json`` of the equivalent HF Qwen2 model."""
+    """The ``config.json`` of the equivalent HF model of ``spec``'s family."""
+    from gyre_megatron.families import family_named
+
+    family = family_named(getattr(spec, "family", "qwen2"))
+    if family is None:
+        raise ValueError(f"no HF family {spec.family!r} to export as")
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "architectures": [family.architecture], "model_type": family.model_type,
         "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
         "intermediate_size": spec.ffn_hidden_size, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
         "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta, "tie_word_embeddings": bool(getattr(spec, "tie_embeddings", False)),
-        "hidden_act": "silu",
-        "torch_dtype": "float32", "use_sliding_window": False, "attention_dropout": 0.0,
+        "hidden_act": "silu", "torch_dtype": "float32", "attention_dropout": 0.0,
+        **family.config_fields(spec),
     }
 
 
@@ -122,18 +131,24 @@ def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
     return WeightsRef(version=version, location=str(out))
 
 
-def load_hf_qwen2(path: str) -> torch.nn.Module:
-    """Load a published checkpoint into ``transformers``' Qwen2 (eager attention, fp32); strict
-    except for HF's non-persistent rotary buffers. Used by tests to check the export."""
+def load_hf_model(path: str) -> torch.nn.Module:
+    """Load a published checkpoint into its family's ``transformers`` model (eager attention,
+    fp32); strict except for HF's non-persistent rotary buffers. Used by tests to check the export."""
     import transformers
     from safetensors.torch import load_file
 
+    from gyre_megatron.families import family_named
+
     raw = json.loads((Path(path) / "config.json").read_text())
+    family = family_named(str(raw.get("model_type")))
+    if family is None:
+        raise KeyError(f"{path}: no supported family {raw.get('model_type')!r}")
     kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
-    cfg = transformers.Qwen2Config(**kwargs)
+    cfg = getattr(transformers, family.config_class)(**kwargs)
     cfg._attn_implementation = "eager"
-    model = transformers.Qwen2ForCausalLM(cfg).float().eval()
+    model = getattr(transformers, family.architecture)(cfg).float().eval()
     missing, unexpected = model.load_state_dict(load_file(str(Path(path) / "model.safetensors")), strict=False)
-    if unexpected or any("rotary" not in k for k in missing):
-        raise KeyError(f"checkpoint does not fit Qwen2: missing {missing}, unexpected {unexpected}")
+    tied = {"lm_head.weight"} if raw.get("tie_word_embeddings") else set()  # the embedding's own copy
+    if unexpected or any("rotary" not in k and k not in tied for k in missing):
+        raise KeyError(f"checkpoint does not fit {family.architecture}: missing {missing}, unexpected {unexpected}")
     return model

@@ -1,13 +1,15 @@
-"""Weight import: a Hugging Face Qwen2-family checkpoint as the cell's megatron-core model.
+"""Weight import: a Hugging Face dense decoder checkpoint as the cell's megatron-core model.
 
-The inverse of :mod:`gyre_megatron.export`: every size is read from the checkpoint's
-``config.json`` (layers, hidden, heads, KV heads, FFN size, rope theta, RMSNorm eps, vocabulary,
-tied or untied embeddings), and each stage takes its layers' tensors, fused the way Megatron's
-modules expect:
+The inverse of :mod:`gyre_megatron.export`, for every family of :mod:`gyre_megatron.families`
+(Qwen2, Qwen3, Llama): every size is read from the checkpoint's ``config.json`` (layers,
+hidden, heads, KV heads, head size, FFN size, rope theta, RMSNorm eps, vocabulary, tied or
+untied embeddings, q/k/v biases, q/k norms), and each stage takes its layers' tensors, fused the
+way Megatron's modules expect:
 
-* ``q_proj``, ``k_proj``, ``v_proj`` (weights and biases) → ``linear_qkv`` laid out per query
-  group ``[q_0..q_{r-1}, k, v]``;
+* ``q_proj``, ``k_proj``, ``v_proj`` (weights, and biases where the family has them) →
+  ``linear_qkv`` laid out per query group ``[q_0..q_{r-1}, k, v]``;
 * ``gate_proj`` and ``up_proj`` → ``linear_fc1`` as ``[gate; up]``;
+* ``q_norm``/``k_norm`` (Qwen3) → ``q_layernorm``/``k_layernorm``;
 * global layer ``s·L/P + i`` → layer ``i`` of pipeline stage ``s``; with tied embeddings the last
   stage's output layer starts as a copy of ``embed_tokens`` (megatron-core keeps the two in step).
 
@@ -24,16 +26,16 @@ from typing import Any, Mapping
 
 import torch
 
+from gyre_megatron.families import FAMILIES, family_named
 from gyre_megatron.model import megatron_name
 
 __all__ = ["UnsupportedModel", "hf_to_megatron", "load_hf_state", "spec_from_hf_config", "spec_from_hf_dir"]
 
-ARCHITECTURES = ("Qwen2ForCausalLM",)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 class UnsupportedModel(ValueError):
-    """The checkpoint uses something the Qwen2 import does not support; ``problems`` lists it."""
+    """The checkpoint uses something the import does not support; ``problems`` lists it."""
 
     def __init__(self, where: str, problems: list[str]) -> None:
         self.problems = problems
@@ -41,14 +43,18 @@ class UnsupportedModel(ValueError):
 
 
 def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed: int = 1234) -> Any:
-    """The :class:`~gyre_megatron.model.ModelSpec` of an HF Qwen2 ``config.json`` (as a dict)."""
+    """The :class:`~gyre_megatron.model.ModelSpec` of an HF ``config.json`` (as a dict) of a
+    supported family."""
     from gyre_megatron.model import ModelSpec
 
     problems: list[str] = []
     arch = list(raw.get("architectures") or [])
-    if raw.get("model_type") != "qwen2" or (arch and not set(arch) <= set(ARCHITECTURES)):
-        problems.append(f"model_type {raw.get('model_type')!r} / architectures {arch} (supported: qwen2, "
-                        f"{', '.join(ARCHITECTURES)})")
+    family = family_named(str(raw.get("model_type")))
+    if family is None or (arch and arch != [family.architecture]):
+        supported = ", ".join(f"{f.model_type} ({f.architecture})" for f in FAMILIES.values())
+        problems.append(f"model_type {raw.get('model_type')!r} / architectures {arch} (supported: {supported})")
+    else:
+        problems += family.problems(raw)
     if raw.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {raw.get('hidden_act')!r} (supported: silu)")
     # transformers >= 5 writes RoPE settings as ``rope_parameters``; older releases as rope_theta/rope_scaling
@@ -56,22 +62,23 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
     if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         problems.append(f"rope_scaling {raw.get('rope_scaling') or rope!r} (supported: plain RoPE)")
-    if raw.get("use_sliding_window"):
-        problems.append("use_sliding_window true (supported: full attention)")
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if not isinstance(raw.get(k), int)]
     if missing:
         problems.append(f"missing or non-integer {', '.join(missing)}")
-    if not problems:
+    head_dim = 0
+    if not problems and family is not None:
         heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
         kv = int(raw.get("num_key_value_heads") or heads)
-        if hidden % heads:
+        if family.own_head_dim and raw.get("head_dim") is not None:
+            head_dim = int(raw["head_dim"])
+        elif hidden % heads:
             problems.append(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         elif raw.get("head_dim") not in (None, hidden // heads):
             problems.append(f"head_dim {raw.get('head_dim')} differs from hidden_size / num_attention_heads")
         if heads % kv:
             problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    if problems:
+    if problems or family is None:
         raise UnsupportedModel(where, problems)
     return ModelSpec(
         num_layers=int(raw["num_hidden_layers"]), hidden_size=int(raw["hidden_size"]),
@@ -80,6 +87,8 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
         vocab_size=int(raw["vocab_size"]), max_seq_len=int(raw.get("max_position_embeddings", 2048)),
         rope_theta=rope_theta, norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), seed=seed,
+        family=family.model_type, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+        head_dim=head_dim if head_dim != int(raw["hidden_size"]) // int(raw["num_attention_heads"]) else 0,
     )
 
 
@@ -115,8 +124,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, gro
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, layer_offset: int) -> dict[str, torch.Tensor]:
-    """The tensors of one stage's Megatron parameters ``names`` from an HF Qwen2 state dict."""
-    hd = spec.hidden_size // spec.num_attention_heads
+    """The tensors of one stage's Megatron parameters ``names`` from an HF state dict."""
+    hd = spec.kv_channels
 
     def get(key: str) -> torch.Tensor:
         if key not in hf:
@@ -145,13 +154,15 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, 
                 t = _fuse_qkv(q, k, v, spec.num_attention_heads, spec.num_query_groups, hd)
             elif rest == "self_attention.linear_proj.weight":
                 t = get(p + "self_attn.o_proj.weight")
+            elif rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+                t = get(p + f"self_attn.{rest.split('.')[1][0]}_norm.weight")
             elif rest == "mlp.linear_fc1.weight":
                 t = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             elif rest == "mlp.linear_fc2.weight":
                 t = get(p + "mlp.down_proj.weight")
             else:
-                raise KeyError(f"no HF Qwen2 tensor for Megatron parameter {full}")
+                raise KeyError(f"no HF {spec.family} tensor for Megatron parameter {full}")
         else:
-            raise KeyError(f"no HF Qwen2 tensor for Megatron parameter {full}")
+            raise KeyError(f"no HF {spec.family} tensor for Megatron parameter {full}")
         out[full] = t
     return out

@@ -1,7 +1,9 @@
-"""A Qwen2-shaped megatron-core GPTModel stage, its DDP grad buffers, and the core's optimizer.
+"""A megatron-core GPTModel stage of a dense HF family, its DDP grad buffers, and the core's optimizer.
 
-Qwen2 layout so that weight export has a real serving target: RMSNorm, SwiGLU MLP without
-biases, QKV bias, grouped-query attention, RoPE, untied output layer by default (a tied one, as in
+The layout the supported families share (:mod:`gyre_megatron.families`: Qwen2, Qwen3, Llama),
+so that weight export has a real serving target: RMSNorm, SwiGLU MLP without biases,
+grouped-query attention, RoPE, QKV biases and per-head q/k norms where the family has them,
+untied output layer by default (a tied one, as in
 the smaller Qwen2 checkpoints, is kept in step across pipeline stages by summing its gradients over
 megatron-core's embedding group; see :mod:`gyre_megatron.runtime`). The local
 (non-TransformerEngine) layer spec runs on CPU.
@@ -30,8 +32,20 @@ class ModelSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
-    """Output layer shares the input embedding (Qwen2's ``tie_word_embeddings``)."""
+    """Output layer shares the input embedding (HF's ``tie_word_embeddings``)."""
     seed: int = 1234
+    family: str = "qwen2"
+    """The HF family the weights are exported as (:mod:`gyre_megatron.families`)."""
+    qkv_bias: bool = True
+    """Biases on the query/key/value projections (Qwen2: yes; Llama, Qwen3: as configured)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+    head_dim: int = 0
+    """Size of one attention head; 0: ``hidden_size / num_attention_heads``."""
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,7 +75,9 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=spec.qkv_bias,
+        kv_channels=spec.kv_channels,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -113,7 +129,7 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, p
     _seed_model_parallel_rng(spec.seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_seq_len,
         pre_process=pp_rank == 0,

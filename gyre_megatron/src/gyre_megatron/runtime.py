@@ -75,8 +75,9 @@ class RankOptions:
     """Divide the summed gradient by the batch's loss-bearing tokens (plain per-token losses);
     off for the data plane's weights ``W_t``, which already normalise per execution."""
     init_from: str = ""
-    """An HF Qwen2 checkpoint directory whose weights every cell starts from (empty: ``spec``'s
-    seeded random init). ``spec`` must be :func:`gyre_megatron.hf_import.spec_from_hf_dir`'s."""
+    """An HF checkpoint directory (a family of :mod:`gyre_megatron.families`) whose weights every
+    cell starts from (empty: ``spec``'s seeded random init). ``spec`` must be
+    :func:`gyre_megatron.hf_import.spec_from_hf_dir`'s."""
     objective: tuple[float, float, float] = (5.0, 0.005, 0.005)
     """GSPO settings for data-plane micro-steps: token weight cap, clip_low, clip_high."""
     mooncake: Mapping[str, str] = field(default_factory=dict)
@@ -275,7 +276,7 @@ class CellRank(RankChecks):
 
     # ------------------------------------------------------------------ §5 export
     def export_hf(self) -> dict[str, Any]:
-        """This stage's parameters under HF Qwen2 names, its tensor shards merged (on shard 0;
+        """This stage's parameters under HF names, its tensor shards merged (on shard 0;
         the other shards of the stage answer ``{}``)."""
         # offloaded (Colocate publishes after the pool left training): read the host copy
         return self._as_hf({n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()})

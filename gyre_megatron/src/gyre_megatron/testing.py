@@ -19,28 +19,40 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["build_qwen2_checkpoint", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
+__all__ = ["build_checkpoint", "build_qwen2_checkpoint", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
            "stop_nodes", "strike_once_joined", "wait_claimed"]
 
 
-def build_qwen2_checkpoint(path: Path, tied: bool = False, seed: int = 11) -> dict[str, torch.Tensor]:
-    """A small HF Qwen2 checkpoint written to ``path`` (GQA: 6 heads over 2 KV groups, hidden 48,
-    FFN 80, 4 layers, vocabulary 160), with random biases and norm scales so their layouts are
-    exercised; returns its tensors. Built locally: nothing is downloaded."""
+def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str = "qwen2") -> dict[str, torch.Tensor]:
+    """A small HF checkpoint of ``family`` written to ``path`` (GQA: 6 heads over 2 KV groups,
+    hidden 48, FFN 80, 4 layers, vocabulary 160; Qwen3 with a head size of 16, not 48 / 6, and
+    Llama with 12), so the settings a family adds are exercised), with random biases and
+    norm scales so their layouts are exercised; returns its tensors. Built locally: nothing is
+    downloaded."""
     import transformers
 
+    from gyre_megatron.families import family_named
+
+    fam = family_named(family)
+    assert fam is not None, family
+    own = {"qwen3": {"head_dim": 16}, "llama": {"head_dim": 12}}.get(family, {})
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(
+    cfg = getattr(transformers, fam.config_class)(
         vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=128, rope_theta=50000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, torch_dtype="float32")
-    model = transformers.Qwen2ForCausalLM(cfg).float()
+        tie_word_embeddings=tied, torch_dtype="float32", **own)
+    model = getattr(transformers, fam.architecture)(cfg).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:  # non-trivial biases and norm scales
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(str(path), safe_serialization=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def build_qwen2_checkpoint(path: Path, tied: bool = False, seed: int = 11) -> dict[str, torch.Tensor]:
+    """:func:`build_checkpoint` of the Qwen2 family."""
+    return build_checkpoint(path, tied, seed)
 
 
 def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
