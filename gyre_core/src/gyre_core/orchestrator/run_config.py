@@ -46,9 +46,10 @@ class RunSection:
 @dataclass
 class ModelSection:
     dir: str = ""
-    """A Hugging Face model directory (Qwen2 family, safetensors) whose weights the trainer and the
-    engines start from, every size read from its ``config.json`` (the sizes below are then
-    unused); a run's ``checkpoint/`` folder is one. Empty: build the tiny model from the sizes below."""
+    """A Hugging Face model directory (Qwen2, Qwen3 or Llama; safetensors) whose weights the
+    trainer and the engines start from, every size read from its ``config.json`` (the sizes below
+    are then unused); a run's ``checkpoint/`` folder is one. Empty: build the tiny model from the
+    sizes below."""
     name: str = "gyre-policy"
     """The model name harnesses send; any other name is refused by the proxy."""
     hidden_size: int = 256
