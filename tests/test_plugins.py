@@ -227,7 +227,6 @@ def test_every_hookspec_is_documented_and_marked() -> None:
         "gyre_make_serving_side",
         "gyre_launch_harness",
         "gyre_start_engine",
-        "gyre_make_weight_publisher",
         "gyre_task_instance",
         "gyre_make_engine_client",
         "gyre_evaluate",

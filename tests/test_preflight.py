@@ -131,9 +131,9 @@ def test_an_unsupported_architecture_is_refused_before_anything_starts(tmp_path:
 
     (tmp_path / "tokenizer_config.json").write_text("{}")
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "model_type": "gemma", "architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "rope_scaling": {"type": "yarn"}}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     problems = preflight(load_run_config(None, {"model.dir": str(tmp_path)}), plugin_manager())
     (line,) = [p for p in problems if "unsupported model" in p]
-    assert line.startswith("model.dir:") and "model_type 'llama'" in line and "rope_scaling" in line
+    assert line.startswith("model.dir:") and "model_type 'gemma'" in line and "rope_scaling" in line

@@ -58,9 +58,19 @@ class StandInProxy:
         self.router.restore(url)
 
 
+class StandInCoreTraining:
+    """The core's training side as ``_publish`` uses it after the loads: what it was told to release."""
+
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release_weights_older_than(self, version: int) -> None:
+        self.released.append(version)
+
+
 class StandInOrchestrator(StepsMixin):
     """Just what ``_publish`` and the watchdog read of the live driver: cells 1 and 2 serve
-    rollouts, the core (cell 0) trains; no publisher (the weights ref is handed over as is)."""
+    rollouts, the core (cell 0) trains (the weights ref is handed over as is)."""
 
     def __init__(self, stuck_cell: int) -> None:
         self.t0 = time.monotonic()
@@ -69,11 +79,11 @@ class StandInOrchestrator(StepsMixin):
         for i in range(3):
             url = f"http://engine{i}"
             self.proxy.router.add_engine(StandInEngineClient(url), kind="cell", cell_index=i, capacity=4)  # type: ignore[arg-type]
-            self.cells.append(CellHandles(i, StandInServing(url, stuck=i == stuck_cell), None, url))  # type: ignore[arg-type]
+            training = StandInCoreTraining() if i == 0 else None
+            self.cells.append(CellHandles(i, StandInServing(url, stuck=i == stuck_cell), training, url))  # type: ignore[arg-type]
         self.proxy.router.slot("http://engine0").accepting = False
         self._engine_role = ["training", "rollout", "rollout"]
         self.standalone = None
-        self.publisher = None
         self.journal = None
         self.weights = WeightsRef(1, "v1")
         self.publications: list[dict[str, Any]] = []
@@ -82,7 +92,8 @@ class StandInOrchestrator(StepsMixin):
         self._publishing: int | None = 2
         self.started: list[str] = []
         self.evaluation = None  # no held-out tasks
-        self.cfg = SimpleNamespace(checkpoint=SimpleNamespace(hf_interval=0), run=SimpleNamespace(steps=3))
+        self.cfg = SimpleNamespace(checkpoint=SimpleNamespace(hf_interval=0), run=SimpleNamespace(steps=3),
+                                   publication=SimpleNamespace(transport="mooncake"))
 
         def make_serving(engine: int, options: Any) -> StandInServing:
             return StandInServing(options["url"])
@@ -102,6 +113,9 @@ class StandInOrchestrator(StepsMixin):
 
     async def _export(self, version: int) -> WeightsRef:
         return WeightsRef(version, f"v{version}")
+
+    async def _cell_call(self, cell: int, fn: Any, *args: Any) -> Any:
+        return fn(*args)
 
 
 def _watchdog(orch: StandInOrchestrator, max_restarts: int = 2) -> EngineWatchdog:
@@ -129,6 +143,7 @@ def test_a_load_that_does_not_take_restarts_the_engine_and_the_run_goes_on() -> 
             assert orch.events == [ev.PublicationDone(2)] and orch._publishing is None
             assert orch.publications[-1]["version"] == 2 and orch.proxy.policy_version == 2
             assert orch.cells[1].serving.version == 2  # type: ignore[attr-defined]
+            assert orch.cells[0].training.released == [1]  # type: ignore[attr-defined] # the one before stays
             assert orch.watchdog.down(2)
             assert not orch.proxy.router.slot("http://engine2").accepting
             assert {orch.proxy.router.engine_of(e) for e in (7, 8)} == {"http://engine1"}

@@ -83,13 +83,12 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
 
 
 def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
-    from safetensors.torch import load_file
-
     from gyre_megatron.export import load_hf_model, publish
+    from gyre_megatron.testing import read_weights
 
     w, ckpt, original, out = imported
-    ref = publish(w, {"publish_dir": str(out)}, version=0)
-    exported = load_file(str(Path(ref.location) / "model.safetensors"))
+    ref = publish(w, {"publish_dir": str(out), "publication": "disk"}, version=0)
+    exported = read_weights(ref.location)  # each stage wrote its own file
     expected = {k: v for k, v in original.items() if not (w.opts.spec.tie_embeddings and k == "lm_head.weight")}
     assert set(exported) == set(expected)
     for k, v in expected.items():
@@ -98,7 +97,35 @@ def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
     assert cfg["tie_word_embeddings"] == w.opts.spec.tie_embeddings and cfg["num_key_value_heads"] == 2
     assert cfg["model_type"] == w.opts.spec.family
     assert spec_from_hf_dir(ref.location) == w.opts.spec  # the export's config reads back as the same model
-    load_hf_model(ref.location)  # and loads strictly into the family's transformers class
+    files = sorted(p.name for p in Path(ref.location).glob("*.safetensors"))
+    assert len(files) == w.opts.pp and (w.opts.pp == 1) == (files == ["model.safetensors"])
+    load_hf_model(ref.location)  # and loads strictly into the family's transformers class (index and all)
+
+
+def test_a_mooncake_publication_is_pulled_from_every_stage(imported) -> None:
+    """Each stage of the core registers its own part in its own process; the location lists the
+    parts, and a puller (the code SGLang's loader runs) reads every part, verified, and gets the
+    whole model back exactly. Released versions are gone."""
+    from gyre_core.published_weights import PublicationError, WeightPuller, parse_parts
+    from gyre_megatron.export import publish, release_older_than
+
+    w, _, original, _ = imported
+    if w.opts.spec.tie_embeddings or w.opts.spec.family == "llama":
+        pytest.skip("one publication check per layout family is enough")
+    ref = publish(w, {"publication": "mooncake"}, version=5)
+    parts = parse_parts(ref.location)
+    assert len(parts) == w.opts.pp and len({p.session for p in parts}) == w.opts.pp  # one per stage process
+    puller = WeightPuller("127.0.0.1")
+    try:
+        pulled = puller.pull(ref.location)
+        got = {name: t.clone() for name, t in pulled.tensors()}
+        assert pulled.version == 5 and not pulled.partial and set(got) == set(original)
+        assert all(torch.equal(got[k], v) for k, v in original.items())
+        release_older_than(w, 6)
+        with pytest.raises(PublicationError):
+            puller.pull(ref.location)
+    finally:
+        puller.close()
 
 
 def test_tied_copies_stay_in_step_through_an_update(imported) -> None:

@@ -48,13 +48,12 @@ def _hf_state(parts: list[dict]) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """Per layout: gradients and loss of one streamed batch, the export, one update."""
-    from safetensors.torch import load_file
 
     from gyre_megatron.export import publish
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
-    from gyre_megatron.testing import feed_in_bursts
+    from gyre_megatron.testing import feed_in_bursts, read_weights
 
     ckpt = tmp_path_factory.mktemp("ckpt")
     original = build_checkpoint(ckpt)
@@ -80,7 +79,7 @@ def measured(tmp_path_factory):
             "grads": _hf_state([s["grads"] for s in streamed]),
             "loss": sum(s["objective"]["loss"] for s in streamed if "objective" in s),
             "objectives": sum("objective" in s for s in streamed),
-            "export": load_file(str(Path(exported.location) / "model.safetensors")),
+            "export": read_weights(exported.location),
             "grad_norm": [s["grad_norm"] for s in stepped],
             "after": after,
         }

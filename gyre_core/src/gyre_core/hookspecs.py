@@ -36,7 +36,6 @@ if TYPE_CHECKING:
         TaskInstance,
         TrainingSide,
         TrajectoryLeaf,
-        WeightPublisher,
     )
 
 PROJECT_NAME = "gyre"
@@ -88,18 +87,6 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> ServingSi
 
     Return an object implementing :class:`gyre_core.interfaces.ServingSide`, or ``None`` if this
     plugin does not provide serving (or not with these options).
-    """
-
-
-@hookspec(firstresult=True)
-def gyre_make_weight_publisher(transport: str, options: Mapping[str, Any]) -> WeightPublisher | None:
-    """The run's :class:`gyre_core.interfaces.WeightPublisher` for ``transport`` (e.g.
-    ``"mooncake"``). firstresult.
-
-    Called once by the live orchestrator at start-up, in its own process (the publisher's buffers
-    live there). ``options`` carries ``host`` (the address the engines reach this process at),
-    ``protocol`` (``"tcp"`` or ``"rdma"``) and ``device`` (RDMA devices). Return ``None`` if this
-    plugin does not provide ``transport``.
     """
 
 

@@ -34,7 +34,6 @@ __all__ = [
     "TrainingSide",
     "TrajectoryLeaf",
     "Validity",
-    "WeightPublisher",
     "WeightsRef",
 ]
 
@@ -263,14 +262,21 @@ class TrainingSide(Protocol):
         ...
 
     def publish_weights(self, version: int) -> WeightsRef:
-        """Core only, at the end of a burst: export the weights in the serving layout as policy
-        ``version`` and say where rollout engines can load them from (files on disk: the
-        fallback transport, ``publication.transport = "disk"``)."""
+        """Core only, at the end of a burst: publish the weights in the serving layout as policy
+        ``version`` and say where rollout engines load them from, by the run's transport: the
+        processes that hold the model expose their parts for the engines to pull (Mooncake, the
+        default; no process gathers the whole model), or write files (``disk``)."""
         ...
 
-    def export_weights(self, version: int) -> Mapping[str, Any]:
-        """Core only: the weights of policy ``version`` in the serving layout, name -> tensor, for
-        a :class:`WeightPublisher` to expose (the default transport: nothing is written)."""
+    def write_weights(self, version: int, folder: str) -> WeightsRef:
+        """Core only: policy ``version`` (the one published last, or the current one) as an HF
+        checkpoint's weights and ``config.json`` in ``folder`` (the folder engines start on, the
+        run's model folders, a resume's rebuilt publication)."""
+        ...
+
+    def release_weights_older_than(self, version: int) -> None:
+        """Core only: stop exposing published versions before ``version`` (every engine holds a
+        newer one); a no-op where nothing stays exposed."""
         ...
 
 
@@ -290,25 +296,6 @@ class StepRecovery(Protocol):
         carried across), so every cell can join later steps; ``{"restart_s": ...}``. Raises
         ``NotImplementedError`` where the processes are a cluster launcher's to restart."""
         ...
-
-
-@runtime_checkable
-class WeightPublisher(Protocol):
-    """Exposes published policy versions to the rollout engines (Mooncake in ``gyre-sglang``).
-
-    The orchestrator owns one per run: it hands each version's tensors in and passes the
-    returned :class:`WeightsRef` to every engine, which pulls and checks it itself. A version
-    stays readable until released, so an engine still loading it is never torn."""
-
-    def publish(self, version: int, named_tensors: Mapping[str, Any]) -> WeightsRef: ...
-
-    def release_older_than(self, version: int) -> None: ...
-
-    def save(self, version: int, path: str) -> None:
-        """Write ``version`` as one safetensors file (the run's final checkpoint)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 @runtime_checkable

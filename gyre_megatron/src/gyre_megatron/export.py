@@ -11,15 +11,15 @@ HF names, with Megatron's fused tensors split the way the HF modules expect:
 * layer ``i`` of pipeline stage ``s`` is global layer ``s·L/P + i``.
 
 Tensor-parallel shards are merged first (:func:`gyre_megatron.tp_layout.merge_tp`, on the ranks:
-see ``CellRank.export_hf``).
-:func:`publish` writes ``model.safetensors`` + ``config.json`` into ``publish_dir/v<version>``,
-which SGLang's ``/update_weights_from_disk`` consumes; the directory is the ``WeightsRef``.
+see ``CellRank._serving_tensors``), and everything stays on the ranks: :func:`publish` has each
+pipeline stage of the core register its part for engines to pull over Mooncake, or :func:`write`
+its own weight file (with an index when there are several) for SGLang's
+``/update_weights_from_disk``; the orchestrator only composes the location or writes the index.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,7 +30,8 @@ import torch
 from gyre_megatron.model import megatron_name
 from gyre_megatron.tp_layout import merge_tp
 
-__all__ = ["hf_config", "load_hf_model", "megatron_to_hf", "merge_tp", "publish"]
+__all__ = ["hf_config", "load_hf_model", "megatron_to_hf", "merge_tp", "publish", "release_older_than",
+           "serving_dtype", "shard_file", "write"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -44,13 +45,15 @@ def _split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple
     return q, k, v
 
 
-def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: int) -> dict[str, torch.Tensor]:
-    """Rename and split one pipeline stage's (TP-merged) parameters to HF names."""
+def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: int,
+                   dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """Rename and split one pipeline stage's (TP-merged) parameters to HF names, cast to
+    ``dtype`` (None: each keeps its own, as a publication does)."""
     hd = spec.kv_channels
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         name = megatron_name(name)
-        t = t.detach().float().contiguous()
+        t = (t.detach() if dtype is None else t.detach().to(dtype)).contiguous()
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t
         elif name == "decoder.final_layernorm.weight":
@@ -87,8 +90,8 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: i
     return out
 
 
-def hf_config(spec: Any) -> dict[str, Any]:
-    """The ``config.json`` of the equivalent HF model of ``spec``'s family."""
+def hf_config(spec: Any, dtype: str = "float32") -> dict[str, Any]:
+    """The ``config.json`` of the equivalent HF model of ``spec``'s family, its weights in ``dtype``."""
     from gyre_megatron.families import family_named
 
     family = family_named(getattr(spec, "family", "qwen2"))
@@ -101,34 +104,63 @@ def hf_config(spec: Any) -> dict[str, Any]:
         "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
         "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta, "tie_word_embeddings": bool(getattr(spec, "tie_embeddings", False)),
-        "hidden_act": "silu", "torch_dtype": "float32", "attention_dropout": 0.0,
+        "hidden_act": "silu", "torch_dtype": dtype, "attention_dropout": 0.0,
         **family.config_fields(spec),
     }
 
 
 def gather_serving_tensors(world: Any) -> dict[str, torch.Tensor]:
-    """The core's weights in the serving (HF) layout, gathered from each of its pipeline stages."""
+    """The core's weights in the serving (HF) layout, in float32, gathered from each of its
+    pipeline stages into this process (tests and checks; publications never do this)."""
     parts = world.call(world.ranks_of(0), "export_hf")
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for part in parts for k, v in part.items()}
 
 
-def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
-    """Gather the core's stages, write the HF checkpoint of ``version``, return its WeightsRef."""
+def serving_dtype(precision: str) -> str:
+    """The dtype weights are published in: the parameters' own (bf16 training serves bf16)."""
+    return "bfloat16" if precision == "bf16" else "float32"
+
+
+def shard_file(stage: int, stages: int) -> str:
+    """HF's names for a checkpoint's weight files: one file, or one per pipeline stage."""
+    return "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
+def write(world: Any, version: int, folder: str | Path) -> Any:
+    """Policy ``version`` as an HF checkpoint in ``folder``: each pipeline stage of the core writes
+    its own weight file (tensor shards merged on the stage's first rank), in the parameters'
+    dtype; this process writes only the index (several stages) and ``config.json``. No process
+    holds more than one stage's weights. Returns the folder's :class:`WeightsRef`."""
     from gyre_core.interfaces import WeightsRef
 
-    tensors = gather_serving_tensors(world)
-    out = Path(options.get("publish_dir", "gyre-weights")) / f"v{version}"
+    out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    try:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp))
-    except ImportError:  # pragma: no cover - safetensors is a transformers dependency
-        torch.save(tensors, tmp)
-    os.replace(tmp, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(hf_config(world.opts.spec), indent=1))
+    opts = world.opts
+    written = [w for w in world.call(world.ranks_of(0), "write_part", version, str(out)) if w]
+    if opts.pp > 1:
+        weight_map = {n: w["file"] for w in written for n in w["tensors"]}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config(opts.spec, serving_dtype(opts.precision)), indent=1))
     return WeightsRef(version=version, location=str(out))
+
+
+def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
+    """Publish policy ``version`` where the engines load it, by the run's transport
+    (``options["publication"]``): ``mooncake`` (default): each stage of the core registers its own
+    part and the location lists the parts (:func:`gyre_core.published_weights.compose`); nothing
+    is gathered or written. ``disk``: :func:`write` into ``publish_dir/v<version>``."""
+    if str(options.get("publication", "disk")) == "mooncake":
+        from gyre_core.interfaces import WeightsRef
+        from gyre_core.published_weights import compose
+
+        parts = [p for p in world.call(world.ranks_of(0), "publish_part", version) if p]
+        return WeightsRef(version=version, location=compose(version, parts))
+    return write(world, version, Path(options.get("publish_dir", "gyre-weights")) / f"v{version}")
+
+
+def release_older_than(world: Any, version: int) -> None:
+    """Stop exposing the parts of versions before ``version`` (every engine holds a newer one)."""
+    world.call(world.ranks_of(0), "release_parts_older_than", version)
 
 
 def load_hf_model(path: str) -> torch.nn.Module:
@@ -147,7 +179,8 @@ def load_hf_model(path: str) -> torch.nn.Module:
     cfg = getattr(transformers, family.config_class)(**kwargs)
     cfg._attn_implementation = "eager"
     model = getattr(transformers, family.architecture)(cfg).float().eval()
-    missing, unexpected = model.load_state_dict(load_file(str(Path(path) / "model.safetensors")), strict=False)
+    state = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if raw.get("tie_word_embeddings") else set()  # the embedding's own copy
     if unexpected or any("rotary" not in k and k not in tied for k in missing):
         raise KeyError(f"checkpoint does not fit {family.architecture}: missing {missing}, unexpected {unexpected}")

@@ -166,6 +166,9 @@ class CellRank(RankChecks):
         """Policy version this cell's parameters hold (``step`` before an update, ``step+1`` after);
         a satellite starts unknown (-1), so its first join always pulls."""
         self._transport: Any = None
+        self._publisher: Any = None
+        self._parts: set[int] = set()
+        """Versions whose part this rank published and still exposes (every shard keeps the set)."""
         self._saved: Any = None
 
     def _load_hf(self, path: str) -> None:
@@ -283,7 +286,15 @@ class CellRank(RankChecks):
 
     def _as_hf(self, state: dict[str, torch.Tensor]) -> dict[str, Any]:
         """This stage's tensors ``state`` (Megatron names, this rank's shards) in the serving
-        layout: gathered over the tensor group and merged, renamed on tensor shard 0."""
+        layout as float32 numpy arrays (tests and checks): see :meth:`_serving_tensors`."""
+        # Clone before .numpy(): numpy on a view of a parameter marks the parameter's storage
+        # non-resizable for good, and leave_training could no longer release it in place.
+        return {k: v.detach().float().clone().cpu().numpy() for k, v in self._serving_tensors(state).items()}
+
+    def _serving_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This stage's tensors ``state`` (Megatron names, this rank's shards) in the serving
+        layout, in their own dtype, on the host: gathered over the tensor group and merged,
+        renamed on tensor shard 0 (the other shards answer ``{}``)."""
         from gyre_megatron.export import megatron_to_hf
         from gyre_megatron.tp_layout import merge_tp
 
@@ -297,9 +308,64 @@ class CellRank(RankChecks):
                 return {}
             state = full
         per_stage = self.opts.spec.num_layers // self.opts.pp
-        # Clone before .numpy(): numpy on a view of a parameter marks the parameter's storage
-        # non-resizable for good, and leave_training could no longer release it in place.
-        return {k: v.detach().clone().cpu().numpy() for k, v in megatron_to_hf(state, self.opts.spec, self.stage * per_stage).items()}
+        hf = megatron_to_hf(state, self.opts.spec, self.stage * per_stage, dtype=None)
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf.items()}
+
+    # ------------------------------------------------------------------ publication (§5)
+    @property
+    def publisher(self) -> Any:
+        """This rank's part of each published version, registered for engines to read
+        (:mod:`gyre_core.published_weights`); on the rank's own Mooncake endpoint."""
+        if self._publisher is None:
+            from gyre_core.published_weights import WeightPublisher
+
+            self._publisher = WeightPublisher(self.transport.endpoint)
+        return self._publisher
+
+    def _weights_now(self) -> dict[str, torch.Tensor]:
+        # offloaded (Colocate publishes after the pool left training): read the host copy
+        return self._serving_tensors({n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()})
+
+    def publish_part(self, version: int) -> str | None:
+        """Core: register this stage's weights (serving layout, the parameters' dtype) as its part
+        of policy ``version`` and answer the part's location (tensor shard 0; the other shards
+        take part in the merge and answer None). The bytes never leave this process: engines
+        pull them from here."""
+        if not self.is_core:
+            return None
+        tensors = self._weights_now()
+        self._parts.add(version)  # on every shard: write_part must take the same branch on all
+        if not tensors:
+            return None
+        return self.publisher.publish(version, tensors, partial=True).location
+
+    def release_parts_older_than(self, version: int) -> None:
+        self._parts = {v for v in self._parts if v >= version}
+        if self._publisher is not None:
+            self._publisher.release_older_than(version)
+
+    def write_part(self, version: int, folder: str) -> dict[str, Any]:
+        """Core: write this stage's part of policy ``version`` as its weight file in ``folder``
+        (:func:`gyre_megatron.export.shard_file`) and answer ``{"file", "tensors"}`` (tensor shard
+        0; the others answer ``{}``): the bytes published as ``version`` while this rank still
+        exposes them, else its parameters now (``version`` itself when nothing was published since)."""
+        if not self.is_core:
+            return {}
+        from safetensors.torch import save_file
+
+        from gyre_megatron.export import shard_file
+
+        if version in self._parts:
+            tensors = self._publisher.tensors(version) if self._publisher is not None else {}
+        else:
+            tensors = self._weights_now()
+        if not tensors:
+            return {}
+        name = shard_file(self.stage, self.opts.pp)
+        path = os.path.join(folder, name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return {"file": name, "tensors": sorted(tensors)}
 
     def _checkpoint_file(self, path: str) -> str:
         return f"{path}.stage{self.stage}" + (f".tp{self.tp_rank}" if self.opts.tp > 1 else "")

@@ -223,17 +223,25 @@ class MegatronTrainingSide:
         self.world.call(self.ranks, "load_checkpoint", path, timeout=self.timeout_s)
 
     def publish_weights(self, version: int) -> WeightsRef:
+        """Policy ``version`` where engines load it, by the run's ``publication`` transport: each
+        stage of the core registers its own part (Mooncake), or writes its own file (disk)."""
         if self.cell != 0:
             raise ValueError("only the core publishes weights")
         from gyre_megatron.export import publish
 
         return publish(self.world, self.options, version)
 
-    def export_weights(self, version: int) -> dict[str, Any]:
-        """The core's weights in the serving layout (for the run's weight publisher); nothing is
-        written. ``version`` names what they are: the core holds exactly that policy now."""
+    def write_weights(self, version: int, folder: str) -> WeightsRef:
+        """Policy ``version`` as an HF checkpoint's weights and ``config.json`` in ``folder``,
+        each stage writing its own file (the published bytes while they are still exposed)."""
         if self.cell != 0:
-            raise ValueError("only the core publishes weights")
-        from gyre_megatron.export import gather_serving_tensors
+            raise ValueError("only the core holds the policy")
+        from gyre_megatron.export import write
 
-        return gather_serving_tensors(self.world)
+        return write(self.world, version, folder)
+
+    def release_weights_older_than(self, version: int) -> None:
+        if self.cell == 0:
+            from gyre_megatron.export import release_older_than
+
+            release_older_than(self.world, version)

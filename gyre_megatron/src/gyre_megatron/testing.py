@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["build_checkpoint", "build_qwen2_checkpoint", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
+__all__ = ["build_checkpoint", "build_qwen2_checkpoint", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
            "stop_nodes", "strike_once_joined", "wait_claimed"]
 
 
@@ -53,6 +53,18 @@ def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str
 def build_qwen2_checkpoint(path: Path, tied: bool = False, seed: int = 11) -> dict[str, torch.Tensor]:
     """:func:`build_checkpoint` of the Qwen2 family."""
     return build_checkpoint(path, tied, seed)
+
+
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint folder: one ``model.safetensors`` or one file per stage."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        part = load_file(str(f))
+        assert not set(part) & set(out), f"{f}: tensors also in another file"
+        out.update(part)
+    return out
 
 
 def make_items(n: int, seq_len: int = 16, vocab: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:

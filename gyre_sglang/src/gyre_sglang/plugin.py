@@ -49,19 +49,6 @@ def _mooncake_env(endpoint: Mapping[str, Any] | None) -> dict[str, str]:
 
 
 @hookimpl
-def gyre_make_weight_publisher(transport: str, options: Mapping[str, Any]) -> Any:
-    """``transport = "mooncake"``: the core's registered buffers, pulled by each engine
-    (:class:`gyre_sglang.weight_publication.WeightPublisher`)."""
-    if transport != "mooncake":
-        return None
-    from gyre_core.transfer_endpoint import MooncakeEndpoint
-    from gyre_sglang.weight_publication import WeightPublisher
-
-    return WeightPublisher(MooncakeEndpoint(str(options.get("host") or "127.0.0.1"),
-                                            str(options.get("protocol") or "tcp"), str(options.get("device") or "")))
-
-
-@hookimpl
 def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
     """Start a real SGLang server (CPU engine and Gyre's CPU patch where CUDA is absent)."""
     from gyre_sglang.server import SGLangServer

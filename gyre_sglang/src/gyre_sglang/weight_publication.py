@@ -1,23 +1,9 @@
-"""Weight publication over the Mooncake Transfer Engine: the core exposes, each engine pulls.
+"""Loading a published policy version into an SGLang engine.
 
-Why a pull: after a burst the core publishes one policy version and every rollout engine must load
-it, at its own pace (an engine may still be finishing a request). A one-sided read needs nothing
-from the core but its buffer staying registered, so the core never waits for the slowest engine,
-and K engines can pull the same bytes without a collective they would all have to join.
-
-Layout of one published version (one contiguous, registered host buffer)::
-
-    [tensor 0 | pad | tensor 1 | pad | ... | manifest JSON]
-
-Each tensor starts on a 64-byte boundary; the manifest lists name, dtype, shape, offset and byte
-count of every tensor. The :class:`~gyre_core.interfaces.WeightsRef` ``location`` is a small JSON
-object (format tag, Mooncake session ``host:port``, buffer address and size, where the manifest is,
-a CRC32 of the whole buffer), so it travels through the core's events unchanged.
-
-The engine side (:class:`WeightPuller`, used by the SGLang custom weight loader in
-:mod:`gyre_sglang.server_plugin.weight_loading`) reads the whole buffer into a registered staging
-buffer of its own and refuses it unless the CRC32 and the manifest check out, *before* any
-parameter is touched: a torn, partial or failed pull leaves the engine on its previous version.
+The version's bytes are registered by the processes that hold the model (each pipeline stage of
+the core: :mod:`gyre_core.published_weights`, whose names this module also exports); the engine
+pulls them with Gyre's custom weight loader (:mod:`gyre_sglang.server_plugin.weight_loading`),
+which checks every part before any parameter changes.
 
 :func:`load_published` is what the orchestrator calls: it drives SGLang's own update path
 (``/begin_weight_update``, ``/update_weights_from_tensor`` with ``load_format`` naming Gyre's
@@ -29,20 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
-import os
 import pickle
-import threading
 import time
-import zlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from gyre_core.interfaces import EngineError, WeightsRef
-from gyre_core.transfer_endpoint import HOST_ENV, MooncakeEndpoint, start_transfer_engine
+from gyre_core.published_weights import (
+    FORMAT,
+    PARTS_FORMAT,
+    ManifestEntry,
+    PublicationError,
+    PulledWeights,
+    WeightPublisher,
+    WeightPuller,
+    compose,
+    parse_location,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyre_sglang.client import SGLangClient
@@ -52,6 +43,7 @@ log = logging.getLogger("gyre.sglang")
 __all__ = [
     "FORMAT",
     "LOADER",
+    "PARTS_FORMAT",
     "REF_TENSOR_NAME",
     "ManifestEntry",
     "PublicationError",
@@ -60,12 +52,10 @@ __all__ = [
     "WeightPublisher",
     "WeightPuller",
     "await_version",
+    "compose",
     "load_published",
     "parse_location",
 ]
-
-FORMAT = "gyre.mooncake.v1"
-"""Format tag of a location produced by :class:`WeightPublisher`."""
 
 LOADER = "gyre_sglang.server_plugin.weight_loading.load_published_weights"
 """Dotted path of Gyre's custom weight loader; the SGLang server must be started with
@@ -73,312 +63,6 @@ LOADER = "gyre_sglang.server_plugin.weight_loading.load_published_weights"
 
 REF_TENSOR_NAME = "gyre.weights_ref"
 """Name of the one tensor carried by ``/update_weights_from_tensor``: the location's UTF-8 bytes."""
-
-ALIGN = 64
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32, torch.float16, torch.bfloat16, torch.float64,
-        torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-        torch.float8_e4m3fn, torch.float8_e5m2,
-    )
-}
-
-
-class PublicationError(RuntimeError):
-    """A publication could not be made, pulled or verified (the engine keeps its old weights)."""
-
-
-def _endpoint(host: str | MooncakeEndpoint | None) -> MooncakeEndpoint:
-    """This process's Mooncake endpoint: as given, or as the environment configures it
-    (:mod:`gyre_core.transfer_endpoint`; loopback and TCP when nothing is set)."""
-    if isinstance(host, MooncakeEndpoint):
-        return host
-    from_env = MooncakeEndpoint.from_env()
-    if host:
-        return MooncakeEndpoint(host, from_env.protocol, from_env.device)
-    if not os.environ.get(HOST_ENV) and os.environ.get("MC_TCP_BIND_ADDRESS"):
-        return MooncakeEndpoint(os.environ["MC_TCP_BIND_ADDRESS"], from_env.protocol, from_env.device)
-    return from_env
-
-
-def _new_engine(endpoint: MooncakeEndpoint) -> Any:
-    try:
-        return start_transfer_engine(endpoint)
-    except RuntimeError as e:
-        raise PublicationError(str(e)) from e
-
-
-def _crc32(buf: torch.Tensor, nbytes: int) -> int:
-    return zlib.crc32(memoryview(buf[:nbytes].numpy()))
-
-
-@dataclass(frozen=True)
-class ManifestEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        try:
-            return _DTYPES[self.dtype]
-        except KeyError:
-            raise PublicationError(f"{self.name}: unsupported dtype {self.dtype!r}") from None
-
-
-@dataclass(frozen=True)
-class Location:
-    """A parsed ``WeightsRef.location`` (see the module docstring)."""
-
-    version: int
-    session: str
-    addr: int
-    nbytes: int
-    manifest_offset: int
-    manifest_nbytes: int
-    crc32: int
-    partial: bool
-
-    def to_json(self) -> str:
-        return json.dumps({
-            "format": FORMAT, "version": self.version, "session": self.session, "addr": self.addr,
-            "nbytes": self.nbytes, "manifest_offset": self.manifest_offset,
-            "manifest_nbytes": self.manifest_nbytes, "crc32": self.crc32, "partial": self.partial,
-        }, separators=(",", ":"))
-
-
-def parse_location(location: str) -> Location:
-    """Parse and sanity-check a location string; :class:`PublicationError` if it is not Gyre's."""
-    try:
-        d = json.loads(location)
-        if d.get("format") != FORMAT:
-            raise PublicationError(f"not a {FORMAT} location (format={d.get('format')!r})")
-        loc = Location(int(d["version"]), str(d["session"]), int(d["addr"]), int(d["nbytes"]),
-                       int(d["manifest_offset"]), int(d["manifest_nbytes"]), int(d["crc32"]),
-                       bool(d.get("partial", False)))
-    except PublicationError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise PublicationError(f"malformed weights location: {e}: {location[:200]!r}") from e
-    if loc.nbytes <= 0 or loc.manifest_nbytes <= 0 or loc.manifest_offset + loc.manifest_nbytes != loc.nbytes:
-        raise PublicationError(f"inconsistent weights location: {location[:200]!r}")
-    return loc
-
-
-@dataclass
-class _Published:
-    buffer: torch.Tensor
-    location: Location
-
-
-class _MooncakeSide:
-    """One lazily created Mooncake engine (init takes milliseconds; many processes never need one)."""
-
-    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
-        self.endpoint = _endpoint(host)
-        self.host = self.endpoint.host
-        self._engine: Any = None
-        self._lock = threading.Lock()
-
-    @property
-    def engine(self) -> Any:
-        if self._engine is None:
-            self._engine = _new_engine(self.endpoint)
-        return self._engine
-
-
-class WeightPublisher(_MooncakeSide):
-    """Core side: one Mooncake engine; each :meth:`publish` fills a new registered buffer.
-
-    A version's buffer stays registered (and readable by engines) until :meth:`release` is called
-    for it, so an engine still pulling version v is never torn by the publication of v+1. The
-    caller releases a version once every engine reports a newer one.
-    """
-
-    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
-        super().__init__(host)
-        self._published: dict[int, _Published] = {}
-
-    @property
-    def session(self) -> str:
-        return f"{self.host}:{self.engine.get_rpc_port()}"
-
-    @property
-    def versions(self) -> list[int]:
-        return sorted(self._published)
-
-    def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor], *, partial: bool = False) -> WeightsRef:
-        """Copy ``named_tensors`` (serving-layout names, e.g. HF) into one registered buffer.
-
-        ``partial=True`` announces a subset of the model's tensors; otherwise the engine refuses
-        a publication that lacks any tensor of its checkpoint.
-        """
-        if not named_tensors:
-            raise PublicationError("nothing to publish")
-        with self._lock:
-            if version in self._published:
-                raise PublicationError(f"version {version} is already published; release it first")
-            entries: list[ManifestEntry] = []
-            off = 0
-            for name, t in named_tensors.items():
-                dt = str(t.dtype).removeprefix("torch.")
-                if dt not in _DTYPES:
-                    raise PublicationError(f"{name}: unsupported dtype {t.dtype}")
-                n = t.numel() * t.element_size()
-                entries.append(ManifestEntry(name, dt, tuple(int(s) for s in t.shape), off, n))
-                off += (n + ALIGN - 1) // ALIGN * ALIGN
-            manifest = json.dumps({"version": version, "tensors": [
-                {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes}
-                for e in entries
-            ]}, separators=(",", ":")).encode()
-            total = off + len(manifest)
-            buf = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            for e, t in zip(entries, named_tensors.values()):
-                if e.nbytes:
-                    buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape).copy_(t.detach())
-            buf[off:].copy_(torch.frombuffer(bytearray(manifest), dtype=torch.uint8))
-            addr = buf.data_ptr()
-            if self.engine.register_memory(addr, total) != 0:
-                raise PublicationError(f"Mooncake register_memory failed ({total} bytes)")
-            loc = Location(version, self.session, addr, total, off, len(manifest), _crc32(buf, total), partial)
-            self._published[version] = _Published(buf, loc)
-            return WeightsRef(version=version, location=loc.to_json())
-
-    def buffer(self, version: int) -> torch.Tensor:
-        """The registered bytes of ``version`` (inspection and fault injection)."""
-        return self._published[version].buffer
-
-    def tensors(self, version: int) -> dict[str, torch.Tensor]:
-        """``version``'s tensors by name: views into its registered buffer (no copy)."""
-        p = self._published[version]
-        raw = p.buffer[p.location.manifest_offset:p.location.nbytes].numpy().tobytes()
-        return {e.name: p.buffer[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape)
-                for e in _parse_manifest(raw, p.location)}
-
-    def save(self, version: int, path: str) -> None:
-        """Write ``version`` as one safetensors file (the run's final checkpoint, not a publication)."""
-        from safetensors.torch import save_file
-
-        save_file({k: v.clone() for k, v in self.tensors(version).items()}, path)
-
-    def release(self, version: int) -> None:
-        """Stop exposing ``version`` (engines that have not pulled it yet will fail cleanly)."""
-        with self._lock:
-            p = self._published.pop(version, None)
-            if p is not None and self._engine is not None:
-                self._engine.unregister_memory(p.location.addr)
-
-    def release_older_than(self, version: int) -> None:
-        for v in [v for v in self._published if v < version]:
-            self.release(v)
-
-    def close(self) -> None:
-        """Release every version and drop the engine."""
-        for v in list(self._published):
-            self.release(v)
-        self._engine = None
-
-    def __enter__(self) -> "WeightPublisher":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class PulledWeights:
-    """A verified pull: the manifest plus zero-copy views into the puller's staging buffer.
-
-    The views are valid until the same puller's next :meth:`WeightPuller.pull`.
-    """
-
-    version: int
-    entries: list[ManifestEntry]
-    partial: bool
-    staging: torch.Tensor
-    pull_s: float
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.staging.numel())
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for e in self.entries:
-            yield e.name, self.staging[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape)
-
-
-def _parse_manifest(raw: bytes, loc: Location) -> list[ManifestEntry]:
-    try:
-        m = json.loads(raw.decode())
-        entries = [ManifestEntry(str(t["name"]), str(t["dtype"]), tuple(int(s) for s in t["shape"]),
-                                 int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]]
-        version = int(m["version"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise PublicationError(f"malformed manifest: {e}") from e
-    if version != loc.version:
-        raise PublicationError(f"manifest is for version {version}, location says {loc.version}")
-    seen: set[str] = set()
-    for e in entries:
-        numel = 1
-        for s in e.shape:
-            numel *= s
-        if e.name in seen:
-            raise PublicationError(f"tensor {e.name!r} appears twice in the manifest")
-        seen.add(e.name)
-        esize = torch.empty((), dtype=e.torch_dtype).element_size()
-        if e.nbytes != numel * esize or e.offset < 0 or e.offset + e.nbytes > loc.manifest_offset or e.offset % ALIGN:
-            raise PublicationError(f"{e.name}: manifest entry out of bounds or inconsistent: {e}")
-    return entries
-
-
-class WeightPuller(_MooncakeSide):
-    """Engine side: one Mooncake engine and one registered staging buffer, reused across pulls."""
-
-    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
-        super().__init__(host)
-        self._staging: torch.Tensor | None = None
-
-    def _staging_for(self, nbytes: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes:
-            if self._staging is not None:
-                self.engine.unregister_memory(self._staging.data_ptr())
-                self._staging = None
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            if self.engine.register_memory(buf.data_ptr(), nbytes) != 0:
-                raise PublicationError(f"Mooncake register_memory failed for the staging buffer ({nbytes} bytes)")
-            self._staging = buf
-        return self._staging
-
-    def pull(self, location: str) -> PulledWeights:
-        """Read a published version and verify it (CRC32, manifest); raise on any mismatch."""
-        loc = parse_location(location)
-        with self._lock:
-            staging = self._staging_for(loc.nbytes)
-            t0 = time.perf_counter()
-            rc = self.engine.transfer_sync_read(loc.session, staging.data_ptr(), loc.addr, loc.nbytes)
-            pull_s = time.perf_counter() - t0
-            if rc != 0:
-                raise PublicationError(
-                    f"Mooncake read of version {loc.version} from {loc.session} failed (rc={rc}): "
-                    "the publisher is gone or no longer exposes this version")
-            got = _crc32(staging, loc.nbytes)
-            if got != loc.crc32:
-                raise PublicationError(
-                    f"version {loc.version}: CRC32 mismatch after the pull ({got:#010x} != {loc.crc32:#010x}); "
-                    "torn or corrupted read")
-            raw = staging[loc.manifest_offset:loc.nbytes].numpy().tobytes()
-            entries = _parse_manifest(raw, loc)
-            return PulledWeights(loc.version, entries, loc.partial, staging[:loc.nbytes], pull_s)
-
-    def close(self) -> None:
-        if self._staging is not None and self._engine is not None:
-            self._engine.unregister_memory(self._staging.data_ptr())
-        self._staging = None
-        self._engine = None
 
 
 def ref_payload(ref: WeightsRef) -> str:

@@ -292,6 +292,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     peer = cfg.cluster.control_host if cfg.cluster.launcher != "local" else ""
     mooncake = {"protocol": cfg.publication.protocol, "device": cfg.publication.device, "peer": peer}
     train_opts["mooncake"] = mooncake
+    train_opts["publication"] = cfg.publication.transport  # the core's stages publish their own parts
+    if cfg.publication.host:
+        say("publication.host is no longer used: the core's ranks publish from their own nodes, each "
+            "advertising its own address (GYRE_MOONCAKE_HOST on a node overrides it)")
     if cfg.model.dir:  # the user's checkpoint: the trainer reads every size from its config.json
         train_opts["init_from"] = str(Path(cfg.model.dir).resolve())
     if cfg.cluster.launcher == "ray":
@@ -307,8 +311,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     training = [await asyncio.to_thread(pm.hook.gyre_make_training_side, cell=i, options=train_opts) for i in range(k)]
     if any(t is None for t in training):
         raise RuntimeError("no training backend: install gyre-megatron (and megatron-core)")
-    if replay is None or not (out / "weights" / "v0" / "config.json").exists():
-        v0 = await asyncio.to_thread(training[0].publish_weights, 0)
+    if replay is None or not (out / "weights" / "v0" / "config.json").exists():  # the folder engines start on
+        v0 = await asyncio.to_thread(training[0].write_weights, 0, str(out / "weights" / "v0"))
     else:
         v0 = WeightsRef(0, str(out / "weights" / "v0"))
     start_weights = v0
@@ -321,17 +325,6 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
             say(f"resuming: core loads its state after step {ckpt}")
             await asyncio.to_thread(training[0].load_checkpoint, replay.checkpoints[ckpt])
     model_dir = _serving_dir(start_weights, tok_dir)
-    publisher = None
-    if cfg.publication.transport == "mooncake":
-        from gyre_core.transfer_endpoint import advertised_host
-
-        publisher = pm.hook.gyre_make_weight_publisher(transport="mooncake", options={
-            "host": cfg.publication.host or advertised_host(cfg.cluster.control_host), "protocol": cfg.publication.protocol,
-            "device": cfg.publication.device})
-        if publisher is None:
-            raise ConfigError("publication.transport: no installed plugin publishes over Mooncake "
-                              "(install gyre-sglang, or set publication.transport = \"disk\")")
-
     say(f"starting {k} SGLang engine(s) on {model_dir}")
     import secrets
 
@@ -388,7 +381,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
             orch = LiveOrchestrator(cfg, cells=cells, proxy=service, proxy_url=proxy_url, pm=pm, out_dir=out,
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
-                                    publisher=publisher, standalone=standalone, status=status)
+                                    standalone=standalone, status=status)
             orch.watchdog = _engine_watchdog(pm, opts, serving_opts, out, model_dir, engines, started,
                                              start_weights.version, say, cfg, training, standalone_engine).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
@@ -419,11 +412,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     summary["engine_restarts"] = [dataclasses.asdict(r) for r in orch.watchdog.restarts]
     summary["wall_s"] = round(time.monotonic() - t0, 2)
     summary["status"] = "ok"
-    try:
-        _write_outputs(out, orch, summary, cfg)
-    finally:
-        if publisher is not None:
-            publisher.close()
+    _write_outputs(out, orch, summary, cfg)
     return summary
 
 
@@ -443,8 +432,7 @@ async def _republished(core: Any, replay: Replay, out: Path, say: Callable[[str]
                                f"checkpoint after step {v - 1} that would rebuild it is missing")
         say(f"resuming: rebuilding published policy version {v} from the checkpoint after step {v - 1}")
         await asyncio.to_thread(core.load_checkpoint, replay.checkpoints[v - 1])
-        ref = await asyncio.to_thread(core.publish_weights, v)
-        folder = Path(ref.location)
+        await asyncio.to_thread(core.write_weights, v, str(folder))
     return WeightsRef(v, str(folder))
 
 
@@ -537,8 +525,8 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
         log.warning("role timeline not written: %s", e)
     ckpt = out / "checkpoint"
     # the final policy, always: a complete model folder a later run can start from (model.dir)
-    if orch.save_hf(orch.weights.version, ckpt):
-        summary["checkpoint"] = str(ckpt / "model.safetensors")
+    if orch.save_hf(orch.weights.version, ckpt):  # one weight file, or one per pipeline stage
+        summary["checkpoint"] = str(ckpt / "model.safetensors") if (ckpt / "model.safetensors").exists() else str(ckpt)
     summary["hf_checkpoints"] = {str(k): str(v) for k, v in sorted(orch.hf_saved.items())}
     summary["policy_version"] = orch.weights.version
     summary["event_log"] = str(out / "events.jsonl")

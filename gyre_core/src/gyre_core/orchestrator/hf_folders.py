@@ -3,8 +3,8 @@
 Each is a complete Hugging Face folder (weights, ``config.json``, tokenizer and chat template) that
 transformers and SGLang load as is, and that a later run can start from (``model.dir``). The
 weights are written in the model's own dtype: the ``torch_dtype`` of the user's ``config.json``
-(``model.dir``), float32 for a model Gyre built itself. Publications travel in float32 (the
-trainer's export); a bf16 model is saved as bf16, not at twice its size.
+(``model.dir``), float32 for a model Gyre built itself. Publications travel in the trainer's
+parameter dtype; a bf16 model is saved as bf16, not at twice its size.
 """
 
 from __future__ import annotations
@@ -35,22 +35,24 @@ def model_dtype(model_dir: str | Path | None) -> str:
 
 def write_hf_folder(dest: Path, write_weights: Callable[[Path], None], config: Path, tokenizer_dir: Path,
                     dtype: str) -> None:
-    """``dest`` as a complete model folder: ``write_weights(path)`` writes the float32 safetensors
-    file, which is then cast to ``dtype``; ``config.json`` is ``config``'s with that dtype. Written
+    """``dest`` as a complete model folder: ``write_weights(folder)`` writes the weight files
+    into it (``model.safetensors``, or one file per pipeline stage with HF's
+    ``model.safetensors.index.json``), each then cast to ``dtype`` one file at a time (no more
+    than one file's tensors in memory); ``config.json`` is ``config``'s with that dtype. Written
     under a temporary name and renamed, so a folder that exists is whole."""
     from safetensors.torch import load_file, save_file
 
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = tmp / "model.safetensors"
-    write_weights(weights)
+    write_weights(tmp)
     target = _DTYPES[dtype]
-    tensors = load_file(str(weights))
-    if any(t.is_floating_point() and t.dtype != target for t in tensors.values()):
-        save_file({k: (t.to(target) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
-                  str(weights))
-    del tensors
+    for weights in sorted(tmp.glob("*.safetensors")):
+        tensors = load_file(str(weights))
+        if any(t.is_floating_point() and t.dtype != target for t in tensors.values()):
+            save_file({k: (t.to(target) if t.is_floating_point() else t).contiguous() for k, t in tensors.items()},
+                      str(weights))
+        del tensors
     cfg = json.loads(config.read_text())
     cfg["torch_dtype"] = dtype
     if "dtype" in cfg:  # newer transformers write (and prefer) this name

@@ -78,7 +78,6 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         journal: Journal | None = None,
         replay: Replay | None = None,
         sandbox: Mapping[str, Any] | None = None,
-        publisher: Any = None,
         standalone: StandaloneHandles | None = None,
         status: StatusLine | None = None,
     ) -> None:
@@ -96,8 +95,6 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self.sandbox = dict(sandbox) if sandbox else None
         """Each harness's sandbox (:class:`gyre_core.orchestrator.sandbox.SandboxSpec` as a dict), or None."""
         self.pm = pm
-        self.publisher = publisher
-        """The run's :class:`~gyre_core.interfaces.WeightPublisher` (Mooncake), or None: disk files."""
         self.out_dir = Path(out_dir)
         self.weights = weights
         self.serving_dir = Path(weights.location)

@@ -256,13 +256,9 @@ class StepsMixin:
             self._spawn(self._finish_step(live), f"training step {step} (resumed)")
 
     async def _export(self, version: int) -> WeightsRef:
-        """Policy ``version`` where the engines can load it: exposed by the run's publisher (the
-        core's tensors, nothing written), or written to disk by the core when there is none."""
-        core = self.cells[0].training
-        if self.publisher is None:
-            return await self._cell_call(0, core.publish_weights, version)
-        tensors = await self._cell_call(0, core.export_weights, version)
-        return await asyncio.to_thread(self.publisher.publish, version, tensors)
+        """Policy ``version`` where the engines can load it: the core publishes it by the run's
+        transport (its stages register their parts for the engines to pull, or write files)."""
+        return await self._cell_call(0, self.cells[0].training.publish_weights, version)
 
     async def _publish(self, version: int) -> None:
         t0 = self.now()
@@ -288,9 +284,9 @@ class StepsMixin:
                                                          f"{type(e).__name__}: {str(e)[:200]}")
                 log.warning("engine %s did not load version %s; the watchdog restarts it: %s", url, version, e)
         self.proxy.policy_version = version
-        if self.publisher is not None:  # every serving engine holds `version`; a switch back may still read the previous one
-            await asyncio.to_thread(self.publisher.release_older_than, previous.version)
-        self.publications.append({"version": version, "transport": "disk" if self.publisher is None else "mooncake",
+        # every serving engine holds `version`; a switch back may still read the previous one
+        await self._cell_call(0, self.cells[0].training.release_weights_older_than, previous.version)
+        self.publications.append({"version": version, "transport": self.cfg.publication.transport,
                                   "export_s": round(exported - t0, 4), "load_s": round(self.now() - exported, 4),
                                   "at_s": round(self.now(), 3)})
         if self.journal is not None:
@@ -311,20 +307,19 @@ class StepsMixin:
 
     def save_hf(self, version: int, dest: Path) -> bool:
         """Write published ``version`` (the current one) as a model folder at ``dest``, in the
-        model's own dtype (:mod:`gyre_core.orchestrator.hf_folders`); False if its bytes are gone."""
-        src = Path(self.weights.location)
+        model's own dtype (:mod:`gyre_core.orchestrator.hf_folders`): the core's stages write
+        their own weight files. False if the core no longer holds that version."""
         if self.weights.version != version:
             return False
-        if (src / "model.safetensors").exists():  # published on disk
-            def write(path: Path) -> None:
-                shutil.copy2(src / "model.safetensors", path)
-            config = src / "config.json"
-        elif self.publisher is not None and version in getattr(self.publisher, "versions", ()):
-            def write(path: Path) -> None:
-                self.publisher.save(version, str(path))  # the Mooncake buffer's bytes
-            config = self.serving_dir / "config.json"
-        else:
-            return False
         tokenizer = Path(self.cfg.model.dir) if self.cfg.model.dir else self.out_dir / "tokenizer-src"
-        write_hf_folder(dest, write, config, tokenizer, model_dtype(self.cfg.model.dir))
+        core = self.cells[0].training
+
+        def write(folder: Path) -> None:
+            core.write_weights(version, str(folder))
+
+        try:
+            write_hf_folder(dest, write, self.serving_dir / "config.json", tokenizer, model_dtype(self.cfg.model.dir))
+        except Exception as e:  # noqa: BLE001 - a lost core (a failed run) keeps its earlier folders
+            log.warning("policy version %s not saved to %s: %s", version, dest, e)
+            return False
         return True
