@@ -34,9 +34,10 @@ def test_a_cells_engine_starts_with_the_memory_saver(tmp_path) -> None:
     """A cell's engine releases its memory while the cell trains, which SGLang does only with
     its memory saver: Gyre adds it for cells (once, whatever the user passes), not for the
     standalone pool's engine, which never switches."""
-    assert SGLangServer(tmp_path, memory_saver=True).gpu_args() == ["--tp-size", "1", "--enable-memory-saver"]
-    assert "--enable-memory-saver" not in SGLangServer(tmp_path).gpu_args()
-    both = SGLangServer(tmp_path, memory_saver=True, extra_args=["--enable-memory-saver"])
+    saver = ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+    assert SGLangServer(tmp_path, memory_saver=True).gpu_args() == ["--tp-size", "1", *saver]
+    assert not set(saver) & set(SGLangServer(tmp_path).gpu_args())
+    both = SGLangServer(tmp_path, memory_saver=True, extra_args=saver)
     assert both.gpu_args() == ["--tp-size", "1"]
 
 
@@ -65,5 +66,6 @@ def test_sglang_accepts_the_placement_flags() -> None:
     server_args = pytest.importorskip("sglang.srt.server_args")
     parser = argparse.ArgumentParser()
     server_args.ServerArgs.add_cli_args(parser)
-    known = parser.parse_args(["--model-path", "m", "--base-gpu-id", "4", "--tp-size", "2", "--enable-memory-saver"])
-    assert (known.base_gpu_id, known.tp_size, known.enable_memory_saver) == (4, 2, True)
+    known = parser.parse_args(["--model-path", "m", "--base-gpu-id", "4", "--tp-size", "2", "--enable-memory-saver",
+                               "--enable-weights-cpu-backup"])
+    assert (known.base_gpu_id, known.tp_size, known.enable_memory_saver, known.enable_weights_cpu_backup) == (4, 2, True, True)

@@ -55,13 +55,12 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     orch = subprocess.Popen(
         [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(SMALL_JOB), "--out", str(out), "--json-summary", "--steps", "2",
          "--set", 'cluster.launcher="torchrun"', "--set", f"cluster.control_port={port}",
-         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240",
-         # three "hosts" on loopback: the orchestrator's publication, node 0, node 1 -- each
-         # Mooncake peer must read from the address its owner advertised, none from an assumed one
-         "--set", 'publication.host="127.0.0.3"'],
+         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "orchestrator.log", "wb"), text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
     )
+    # two "hosts" on loopback, node 0 and node 1: each Mooncake peer must read from the address
+    # its owner advertised, none from an assumed one (the orchestrator publishes nothing itself)
     nodes = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key, tmp_path,
                                  node_env=[{"GYRE_MOONCAKE_HOST": "127.0.0.2"}, {"GYRE_MOONCAKE_HOST": "127.0.0.4"}])
     try:
@@ -82,12 +81,13 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     assert_accounted(ex)
     assert ex["trained"] == 2 * 2 * 4, ex
     assert any(s["transition"] == "to_training" for s in summary["role_switches"])
-    # published over Mooncake from 127.0.0.3 and pulled by both nodes' engines: no weight files
+    # published over Mooncake by the core's rank on node 0 (127.0.0.2), pulled by both nodes'
+    # engines: no weight files, and no bytes through the orchestrator
     assert [p["transport"] for p in summary["publications"]] == ["mooncake", "mooncake"]
     assert sorted(d.name for d in (out / "weights").iterdir()) == ["v0"]
     journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     sessions = {json.loads(r["location"])["session"].rsplit(":", 1)[0] for r in journal if r.get("kind") == "published"}
-    assert sessions == {"127.0.0.3"}
+    assert sessions == {"127.0.0.2"}
     # a satellite that joined read the core's parameters where node 0 advertised them (whether it
     # joins depends on timing here; integration_tests/megatron/test_torchrun_world.py forces a join)
     joins = [j for rec in summary["step_records"] for j in rec["joins"]]

@@ -94,3 +94,37 @@ def test_leaving_training_releases_the_master_weights_too(measured) -> None:
         assert m["left"]["remaining_bytes"] == 0
         assert m["back"]["restored_bytes"] == m["left"]["released_bytes"]
         assert all(np.array_equal(m["again"][k], m["after"][k]) for k in m["after"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_bf16_training_publishes_bf16(tmp_path) -> None:
+    """bf16 training serves bf16: the core's part of a publication is registered in the
+    parameters' dtype (half a float32 export's bytes), pulled whole by an engine's puller, and a
+    written version says bfloat16 in its config; on a Qwen3-layout model (q/k norms, a head size
+    of its own), the newest family."""
+    import json
+
+    from gyre_core.published_weights import WeightPuller
+    from gyre_megatron.export import gather_serving_tensors, publish, write
+    from gyre_megatron.launch import World
+    from gyre_megatron.model import ModelSpec
+    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import read_weights
+
+    spec = ModelSpec(hidden_size=64, ffn_hidden_size=128, num_layers=2, vocab_size=128, family="qwen3",
+                     qkv_bias=False, qk_norm=True, head_dim=32)
+    with World(RankOptions(cells=1, pp=1, spec=spec, precision="bf16"), n_queues=1) as w:
+        ref = publish(w, {"publication": "mooncake"}, 1)
+        puller = WeightPuller("127.0.0.1")
+        try:
+            pulled = {n: t.clone() for n, t in puller.pull(ref.location).tensors()}
+        finally:
+            puller.close()
+        params = gather_serving_tensors(w)  # the same parameters, as float32
+        folder = write(w, 1, tmp_path / "v1").location
+    assert set(pulled) == set(params) and any(n.endswith("q_norm.weight") for n in pulled)
+    assert all(t.dtype == torch.bfloat16 for t in pulled.values())
+    assert all(torch.equal(pulled[n].float(), params[n]) for n in params)
+    assert json.loads((tmp_path / "v1" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in read_weights(folder).values())

@@ -48,9 +48,17 @@ def test_to_training_then_back_to_rollout(swap_server, tiny_model_dir):
                 await c.generate([1, 2, 3], {"max_new_tokens": 2})
             up = await side.ato_rollout(WeightsRef(version=7, location=str(tiny_model_dir)))
             after = await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.0})
-            return rids, down, results, refused.value, up, after
+            # a satellite's round trip within one policy version: its weights survived the release
+            # (a no-op on the CPU engine; host backup on a GPU), so it pulls nothing on the way back
+            reported.clear()
+            await side.ato_training(lambda ids: None)
+            again = await side.ato_rollout(WeightsRef(version=7, location="/nowhere: must not be read"))
+            return rids, down, results, refused.value, up, after, again
 
-    rids, down, results, refused, up, after = asyncio.run(go())
+    rids, down, results, refused, up, after, again = asyncio.run(go())
+    assert side.weights_kept is True
+    assert [p.phase for p in again] == ["resume_memory", "open_intake"] and side.weight_version == "7"
+    reported[:] = down + up
 
     assert [p.phase for p in down] == ["stop_intake", "hand_off", "abort", "flush", "release_memory"]
     assert [p.phase for p in up] == ["resume_memory", "load_weights", "open_intake"]

@@ -102,7 +102,8 @@ class SGLangServer:
     tp_size: int = 1
     memory_saver: bool = False
     """On a GPU, start with ``--enable-memory-saver``: a cell's engine, which releases its weights
-    and KV cache while its cell trains (SGLang can release GPU memory only when started so)."""
+    and KV cache while its cell trains (SGLang can release GPU memory only when started so), and
+    ``--enable-weights-cpu-backup`` (the released weights wait in host memory)."""
     proc: subprocess.Popen[bytes] | None = None
     tmpdir: str | None = field(default=None, init=False)
     """The running server's private ``TMPDIR`` (its IPC sockets); removed when it stops."""
@@ -155,6 +156,10 @@ class SGLangServer:
             out += ["--tp-size", str(self.tp_size)]
         if self.memory_saver and "--enable-memory-saver" not in given:
             out += ["--enable-memory-saver"]
+        if self.memory_saver and "--enable-weights-cpu-backup" not in given:
+            # the weights wait in host memory while the cell trains, so a satellite coming back
+            # resumes the version it left with and pulls only the next publication
+            out += ["--enable-weights-cpu-backup"]
         return out
 
     def environment(self, tmpdir: str) -> dict[str, str]:

@@ -13,8 +13,8 @@
 5. ``release_memory`` -- release KV cache and weights (real on GPUs with
    ``--enable-memory-saver``; a no-op on SGLang's CPU engine).
 
-*To rollout*: ``resume_memory`` → ``load_weights`` (the version published at the burst's end) →
-``open_intake``.
+*To rollout*: ``resume_memory`` → ``load_weights`` (the current version; skipped when the engine
+kept the weights through the release and they are that version) → ``open_intake``.
 
 The engine process stays alive throughout. Every phase is reported as a
 :class:`~gyre_core.interfaces.PhaseTiming` to ``on_phase`` as soon as it ends (the orchestrator
@@ -105,6 +105,11 @@ class SGLangServingSide:
         self.memory_tags = tuple(memory_tags)
         self.drain_timeout = drain_timeout
         self.weight_version: str | None = None
+        self.weights_kept: bool | None = None
+        """Whether releasing memory keeps the weights (read from the engine at its first switch):
+        SGLang's CPU engine releases nothing, and a GPU engine started with
+        ``--enable-weights-cpu-backup`` restores them from host memory on resume. Then an engine
+        that comes back to the version it left with loads nothing (see :meth:`ato_rollout`)."""
 
     def _client(self) -> SGLangClient:
         return SGLangClient(self.url, api_key=self.api_key)
@@ -152,6 +157,12 @@ class SGLangServingSide:
         t = "to_training"
         out: list[PhaseTiming] = []
         async with self._client() as c:
+            if self.weights_kept is None:
+                info = await c.server_info()
+                self.weights_kept = (not str(info.get("device") or "").startswith("cuda")
+                                     or bool(info.get("enable_weights_cpu_backup")))
+            if self.weight_version is None:  # the version it serves (started on, or loaded by another side)
+                self.weight_version = await c.weight_version()
             await self._phase(out, t, "stop_intake", c.post("/gyre/intake", {"open": False}))
 
             async def give_away() -> None:
@@ -178,7 +189,11 @@ class SGLangServingSide:
         out: list[PhaseTiming] = []
         async with self._client() as c:
             await self._phase(out, t, "resume_memory", c.resume_memory_occupation(list(reversed(self.memory_tags))))  # type: ignore[arg-type]
-            if weights is not None:
+            # A satellite returns before its burst's version is published (which it then loads
+            # with every rollout engine): when its weights survived the release and are still
+            # the current version, it pulls nothing now -- one pull per burst, not two.
+            kept = self.weights_kept and weights is not None and self.weight_version == str(weights.version)
+            if weights is not None and not kept:
                 self.weight_version = str(await self._phase(out, t, "load_weights", self._load(c, weights)))
             await self._phase(out, t, "open_intake", c.post("/gyre/intake", {"open": True}))
         return out
