@@ -204,6 +204,36 @@ def test_partial_publication_changes_only_its_tensors(server: Any, base_weights:
         {k: v for k, v in before.items() if k != "lm_head.weight"}
 
 
+def test_a_version_in_parts_loads_whole_and_a_part_fault_leaves_the_engine(server: Any, base_weights: dict) -> None:
+    """A version published by several processes (one part per pipeline stage, each its own
+    Mooncake engine and buffer): the engine pulls every part, checks them, and loads them as one
+    version; a torn part, a missing part or a tensor in two parts leaves it untouched."""
+    from gyre_sglang.weight_publication import WeightPublisher, compose
+
+    new = perturbed(base_weights, seed=5)
+    names = sorted(new)
+    halves = [{k: new[k] for k in names[: len(names) // 2]}, {k: new[k] for k in names[len(names) // 2:]}]
+    with WeightPublisher("127.0.0.1") as a, WeightPublisher("127.0.0.1") as b:
+        parts = [a.publish(13, halves[0], partial=True).location, b.publish(13, halves[1], partial=True).location]
+        assert load(server, WeightsRef(13, compose(13, parts))) == "13"
+        assert run(_call(server, "checksums")) == expected_checksums(new)
+
+        before = state(server)
+        bad = perturbed(base_weights, seed=6)
+        torn = [a.publish(14, {k: bad[k] for k in halves[0]}, partial=True).location,
+                b.publish(14, {k: bad[k] for k in halves[1]}, partial=True).location]
+        b.buffer(14)[100] ^= 0x5A
+        with pytest.raises(EngineError, match="CRC32 mismatch"):
+            load(server, WeightsRef(14, compose(14, torn)))
+        with pytest.raises(EngineError, match="tensors missing"):  # the second part never came
+            load(server, WeightsRef(14, compose(14, torn[:1])))
+        twice = [a.publish(15, {k: bad[k] for k in names}, partial=True).location,
+                 b.publish(15, {names[0]: bad[names[0]]}, partial=True).location]
+        with pytest.raises(EngineError, match="more than one part"):
+            load(server, WeightsRef(15, compose(15, twice)))
+        assert state(server) == before
+
+
 @pytest.mark.parametrize("fault", ["wrong_name", "wrong_shape", "wrong_dtype", "missing_tensor"])
 def test_wrong_layout_is_refused_and_engine_untouched(server: Any, base_weights: dict, publisher: Any, fault: str) -> None:
     before = state(server)
