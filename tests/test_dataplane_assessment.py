@@ -1,4 +1,4 @@
-"""Assessment semantics (DESIGN.md §5 "Rewards"): what becomes a reward, what is retried, what is excluded."""
+"""Assessment semantics (docs/design.md, "The data plane": rewards): what becomes a reward, what is retried, what is excluded."""
 
 from __future__ import annotations
 

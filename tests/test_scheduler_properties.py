@@ -2,7 +2,7 @@
 
 A random "world" drives the scheduler: it ends running executions with random outcomes, evaluates
 them (valid, unresolved, finally unresolved), completes role switches, publications and training
-steps in random order and at random times. After every event the invariants of DESIGN.md §3 are
+steps in random order and at random times. After every event the invariants of docs/design.md ("The scheduler's rules") are
 checked; at the end a fair world must still make progress (no deadlock).
 """
 

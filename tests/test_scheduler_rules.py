@@ -1,4 +1,4 @@
-"""Scenario tests: each rule of DESIGN.md §3 on a small hand-checked situation."""
+"""Scenario tests: each rule of docs/design.md ("The scheduler's rules") on a small hand-checked situation."""
 
 from __future__ import annotations
 

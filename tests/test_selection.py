@@ -1,4 +1,4 @@
-"""Trajectory selection (DESIGN.md §5 "Selection", §3 item 7): priority classes, proportional draws,
+"""Trajectory selection (docs/design.md: "The data plane", selection; rule 7): priority classes, proportional draws,
 path masking, J_max, determinism, and the hand-off to materialisation.
 
 Invariants are checked against an independent *replay*: the mask state before each draw is

@@ -2,7 +2,7 @@
 
 Same real parts as the embedded Gyre run (Megatron ranks over gloo, two SGLang CPU engines, the
 TITO proxy, harness processes). What each mode must show on the wire, per the scheduler
-(DESIGN.md §4):
+(docs/design.md, "The three modes"):
 
 * Async: cell 0 is the fixed training pool from the start (one switch to training, never back),
   cell 1 only serves; μ = 1, so every step publishes, and step s only consumes groups admitted at
