@@ -300,33 +300,36 @@ class StepRecovery(Protocol):
 
 @runtime_checkable
 class ServingSide(Protocol):
-    """The rollout half of one cell, or one standalone engine (backed by SGLang in ``gyre-sglang``)."""
+    """The rollout half of one cell, or one standalone engine (backed by SGLang in ``gyre-sglang``).
 
-    def to_training(self, hand_off: Callable[[Sequence[str]], None]) -> Sequence[PhaseTiming]:
+    Every method the live run calls, and it calls nothing else. They are coroutines: the run
+    drives every cell's switches, loads and health checks from one event loop."""
+
+    async def ato_training(self, hand_off: Callable[[Sequence[str]], Any]) -> Sequence[PhaseTiming]:
         """Give the cell's GPUs up for training, in this order: stop accepting new requests;
-        call ``hand_off`` with the ids of the requests still in flight (the orchestrator has
-        rerouted their executions; the proxy hands each call's KV cache to its new engine, which
-        aborts it here, and continues it there, invisibly to the harness); abort whatever is
-        still running on this engine; flush the cache; release weights and KV cache memory. The
-        engine process stays alive. An async implementation (``ato_training``) awaits
-        ``hand_off``'s result when it is a coroutine."""
+        call ``hand_off`` with the ids of the requests still in flight, awaiting its result when
+        it is a coroutine (the orchestrator has rerouted their executions; the proxy hands each
+        call's KV cache to its new engine, which aborts it here, and continues it there,
+        invisibly to the harness); abort whatever is still running on this engine; flush the
+        cache; release weights and KV cache memory. The engine process stays alive."""
         ...
 
-    def to_rollout(self, weights: WeightsRef | None) -> Sequence[PhaseTiming]:
-        """Take the GPUs back for serving: resume memory, load ``weights`` if given (the version
-        published at the end of the burst), and continue generation."""
+    async def ato_rollout(self, weights: WeightsRef | None) -> Sequence[PhaseTiming]:
+        """Take the GPUs back for serving: resume memory, have ``weights`` loaded if given (the
+        current version; an engine that kept that very version through the release need not
+        pull it again), and continue generation."""
         ...
 
-    def load_weights(self, weights: WeightsRef) -> None:
-        """Switch a serving engine to a newly published policy version (satellites and standalone
-        engines that stayed in rollout through the burst)."""
+    async def aload_weights(self, weights: WeightsRef) -> str:
+        """Switch a serving engine to a newly published policy version (engines in rollout at a
+        publication); returns the version the engine reports."""
         ...
 
-    def health(self) -> bool:
+    async def ahealth(self) -> bool:
         """True when the engine answers and can generate."""
         ...
 
-    def role_switch_problems(self, *, kv_handoff: bool) -> list[str]:
+    async def arole_switch_problems(self, *, kv_handoff: bool) -> list[str]:
         """Asked once at start, for a cell's engine: why this engine cannot switch roles as the
         run is configured, one line each (empty: it can). For example an engine on a GPU that
         cannot release its memory for training, or one whose KV cache is sharded over ranks that

@@ -75,7 +75,8 @@ class SGLangServingSide:
     waiting up to ``version_wait_s`` for the engine to report the loaded version). A load that
     fails is tried ``load_attempts`` times in all before its error reaches the caller (who then
     treats the engine as failed: the watchdog restarts it on the current policy).
-    The async methods are the real implementation; the synchronous protocol methods run them on
+    The async methods are the :class:`~gyre_core.interfaces.ServingSide` protocol; the synchronous
+    ones (``to_training``, ``to_rollout``, ``load_weights``, ``health``) run them on
     a private event loop for callers outside asyncio.
     """
 
@@ -224,7 +225,7 @@ class SGLangServingSide:
         async with self._client() as c:
             return role_switch_problems(await c.server_info(), self.url, kv_handoff=kv_handoff)
 
-    # -- the synchronous ServingSide protocol ---------------------------------------------------
+    # -- synchronous conveniences, for callers outside asyncio ---------------------------------
 
     def to_training(self, hand_off: Callable[[Sequence[str]], None]) -> Sequence[PhaseTiming]:
         return asyncio.run(self.ato_training(hand_off))

@@ -358,8 +358,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         serving = pm.hook.gyre_make_serving_side(engine=i, options={**serving_opts, "url": e.url})
         cells.append(CellHandles(i, serving, training[i], e.url))
     # before any execution: an engine that could not switch roles as configured stops the run here
-    problems = [p for c in cells for p in await asyncio.to_thread(c.serving.role_switch_problems,
-                                                                  kv_handoff=cfg.proxy.kv_handoff)]
+    problems = [p for c in cells for p in await c.serving.arole_switch_problems(kv_handoff=cfg.proxy.kv_handoff)]
     if problems:
         raise ConfigError("\n".join(problems))
     standalone = None
@@ -423,7 +422,8 @@ async def _republished(core: Any, replay: Replay, out: Path, say: Callable[[str]
     rebuilds it from its checkpoint of the step before (version v is the policy after step v-1)
     and writes it once, so the resumed engines serve exactly what the run had published."""
     v = max(replay.published)
-    if Path(replay.published[v]).is_dir():
+    location = replay.published[v]
+    if not location.lstrip().startswith("{") and Path(location).is_dir():  # JSON: a Mooncake publication
         return WeightsRef(v, replay.published[v])
     folder = out / "weights" / f"v{v}"
     if not (folder / "config.json").exists():

@@ -44,13 +44,9 @@ class StandaloneHandles:
     engine_url: str
 
 
-async def load_weights_on(serving: Any, ref: WeightsRef) -> None:
-    """Have one serving side load ``ref``: its async method when it has one, else off the loop."""
-    aload = getattr(serving, "aload_weights", None)
-    if aload is not None:
-        await aload(ref)
-    else:
-        await asyncio.to_thread(serving.load_weights, ref)
+async def load_weights_on(serving: ServingSide, ref: WeightsRef) -> None:
+    """Have one serving side load ``ref``."""
+    await serving.aload_weights(ref)
 
 
 class CellsMixin:
@@ -84,15 +80,7 @@ class CellsMixin:
 
         # The proxy stops routing here first, so calls cut short below continue on their new engine.
         self.proxy.reroute(url, self._reroute_destinations())
-        phases: list[PhaseTiming] = []
-        ato = getattr(c.serving, "ato_training", None)
-        if ato is not None:
-            phases += await ato(hand_off)
-        else:
-            loop = asyncio.get_running_loop()
-            phases += await asyncio.to_thread(
-                c.serving.to_training,
-                lambda rids: asyncio.run_coroutine_threadsafe(hand_off(rids), loop).result())
+        phases: list[PhaseTiming] = list(await c.serving.ato_training(hand_off))
         phases += await self._cell_call(cell, c.training.enter_training)
         self._record_phases(cell, "to_training", phases)
         self._set_role(cell, "training")
@@ -101,11 +89,7 @@ class CellsMixin:
     async def _to_rollout(self, cell: int) -> None:
         c = self.cells[cell]
         phases: list[PhaseTiming] = list(await self._cell_call(cell, c.training.leave_training))
-        ato = getattr(c.serving, "ato_rollout", None)
-        if ato is not None:
-            phases += await ato(self.weights)
-        else:
-            phases += await asyncio.to_thread(c.serving.to_rollout, self.weights)
+        phases += await c.serving.ato_rollout(self.weights)
         self._engine_role[cell] = "rollout"
         self.proxy.restore_engine(c.engine_url)
         self._record_phases(cell, "to_rollout", phases)
@@ -117,9 +101,7 @@ class CellsMixin:
         c = self.cells[cell]
         self._engine_role[cell] = "training"
         self.proxy.reroute(c.engine_url, self._reroute_destinations())
-        ato = getattr(c.serving, "ato_training", None)
-        phases = list(await ato(lambda rids: None)) if ato is not None else list(
-            await asyncio.to_thread(c.serving.to_training, lambda rids: None))
+        phases = list(await c.serving.ato_training(lambda rids: None))
         phases += await self._cell_call(cell, c.training.enter_training)
         self._record_phases(cell, "to_training", phases)
         self._set_role(cell, "training")

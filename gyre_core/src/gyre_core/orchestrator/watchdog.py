@@ -157,10 +157,7 @@ class EngineWatchdog:
         try:
             if check is not None:
                 return bool(await asyncio.wait_for(check(timeout=self.health_timeout_s), self.health_timeout_s + 1))
-            ahealth = getattr(c.serving, "ahealth", None)
-            if ahealth is None:
-                return True  # nothing to ask: trust the process check alone
-            return bool(await asyncio.wait_for(ahealth(), self.health_timeout_s))
+            return bool(await asyncio.wait_for(c.serving.ahealth(), self.health_timeout_s))
         except (EngineError, asyncio.TimeoutError, OSError):
             return False
 
