@@ -1,6 +1,6 @@
 """Weight publication: Mooncake pull throughput against an in-process memcpy of the same bytes.
 
-The core publishes a version with :class:`~gyre_sglang.weight_publication.WeightPublisher` (one
+The core publishes a version with :class:`~gyre_core.published_weights.WeightPublisher` (one
 registered buffer); a *separate process* pulls it with
 :class:`~gyre_sglang.weight_publication.WeightPuller`, the very code SGLang's custom loader runs,
 over loopback TCP (RDMA on GPU clusters). For each size we report the best one-sided read time, the
