@@ -291,10 +291,11 @@ class CellRank(RankChecks):
         # non-resizable for good, and leave_training could no longer release it in place.
         return {k: v.detach().float().clone().cpu().numpy() for k, v in self._serving_tensors(state).items()}
 
-    def _serving_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _serving_tensors(self, state: dict[str, torch.Tensor], copy: bool = True) -> dict[str, torch.Tensor]:
         """This stage's tensors ``state`` (Megatron names, this rank's shards) in the serving
         layout, in their own dtype, on the host: gathered over the tensor group and merged,
-        renamed on tensor shard 0 (the other shards answer ``{}``)."""
+        renamed on tensor shard 0 (the other shards answer ``{}``). ``copy=False``: host tensors
+        may stay views of the parameters (for a caller that copies them at once)."""
         from gyre_megatron.export import megatron_to_hf
         from gyre_megatron.tp_layout import merge_tp
 
@@ -309,7 +310,7 @@ class CellRank(RankChecks):
             state = full
         per_stage = self.opts.spec.num_layers // self.opts.pp
         hf = megatron_to_hf(state, self.opts.spec, self.stage * per_stage, dtype=None)
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf.items()}
+        return {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in hf.items()}
 
     # ------------------------------------------------------------------ publication (§5)
     @property
@@ -322,9 +323,10 @@ class CellRank(RankChecks):
             self._publisher = WeightPublisher(self.transport.endpoint)
         return self._publisher
 
-    def _weights_now(self) -> dict[str, torch.Tensor]:
+    def _weights_now(self, copy: bool = True) -> dict[str, torch.Tensor]:
         # offloaded (Colocate publishes after the pool left training): read the host copy
-        return self._serving_tensors({n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()})
+        return self._serving_tensors({n: self.offloader.host_view(p.data) for n, p in self.ddp.module.named_parameters()},
+                                     copy)
 
     def publish_part(self, version: int) -> str | None:
         """Core: register this stage's weights (serving layout, the parameters' dtype) as its part
@@ -333,11 +335,18 @@ class CellRank(RankChecks):
         pull them from here."""
         if not self.is_core:
             return None
-        tensors = self._weights_now()
+        tensors = self._weights_now(copy=False)  # copied into the registered buffer right below
         self._parts.add(version)  # on every shard: write_part must take the same branch on all
         if not tensors:
             return None
         return self.publisher.publish(version, tensors, partial=True).location
+
+    def close_publication(self) -> None:
+        """Unregister every part this rank still exposes and drop its Mooncake engine (exit)."""
+        self._parts.clear()
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
 
     def release_parts_older_than(self, version: int) -> None:
         self._parts = {v for v in self._parts if v >= version}
@@ -710,4 +719,5 @@ def serve_rank(rank: int, world: int, init_method: str, opts: RankOptions, queue
         if message[1] == "exit":
             break
         res_q.put(answer(cr, message))
+    cr.close_publication()
     stop_rank()

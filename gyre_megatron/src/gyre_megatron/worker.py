@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EOFError, ConnectionError, BrokenPipeError) as e:
         print(f"gyre-megatron-worker rank {rank}: lost the orchestrator ({e})", file=sys.stderr)
         os._exit(3)
+    # Told to exit: hang up now, so the orchestrator need not wait while this rank stops its engine
+    # and tears down, and a connection it then closes is no longer a lost orchestrator.
+    client.close()
     engines.join(30)
     return 0
 
