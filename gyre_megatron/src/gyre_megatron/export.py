@@ -146,9 +146,10 @@ def write(world: Any, version: int, folder: str | Path) -> Any:
 
 def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
     """Publish policy ``version`` where the engines load it, by the run's transport
-    (``options["publication"]``): ``mooncake`` (default): each stage of the core registers its own
-    part and the location lists the parts (:func:`gyre_core.published_weights.compose`); nothing
-    is gathered or written. ``disk``: :func:`write` into ``publish_dir/v<version>``."""
+    (``options["publication"]``, which ``gyre-orchestrate run`` always sets; ``mooncake`` is the
+    run's default): ``mooncake``: each stage of the core registers its own part and the location
+    lists the parts (:func:`gyre_core.published_weights.compose`); nothing is gathered or written.
+    ``disk`` (also when the option is absent): :func:`write` into ``publish_dir/v<version>``."""
     if str(options.get("publication", "disk")) == "mooncake":
         from gyre_core.interfaces import WeightsRef
         from gyre_core.published_weights import compose
