@@ -30,9 +30,9 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (tp, pp); the first is the reference
 
 
 def build_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    from gyre_megatron.testing import build_qwen2_checkpoint
+    from gyre_megatron import testing
 
-    return build_qwen2_checkpoint(path, tied=False, seed=21)
+    return testing.build_checkpoint(path, tied=False, seed=21)
 
 
 def _microsteps() -> list:
@@ -188,10 +188,10 @@ def test_tied_embeddings_count_once_in_the_clipped_norm_at_pp2(tmp_path_factory)
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
-    from gyre_megatron.testing import build_qwen2_checkpoint, feed_in_bursts
+    from gyre_megatron.testing import build_checkpoint, feed_in_bursts
 
     ckpt = tmp_path_factory.mktemp("tied")
-    build_qwen2_checkpoint(ckpt, tied=True, seed=23)
+    build_checkpoint(ckpt, tied=True, seed=23)
     spec = spec_from_hf_dir(ckpt)
     assert spec.tie_embeddings
     norms, after = {}, {}

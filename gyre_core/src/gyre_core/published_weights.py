@@ -155,25 +155,25 @@ def compose(version: int, parts: Sequence[str], *, partial: bool = False) -> str
 
 def parse_parts(location: str) -> list[Location]:
     """Every part of a version's location (one, for a location that is not :func:`compose`'s)."""
+    return _parse_version(location)[0]
+
+
+def _parse_version(location: str) -> tuple[list[Location], bool]:
+    """A version's parts and its own ``partial`` flag (the composite's, or its one part's)."""
     try:
         d = json.loads(location)
     except ValueError as e:
         raise PublicationError(f"malformed weights location: {e}: {location[:200]!r}") from e
     if not (isinstance(d, dict) and d.get("format") == PARTS_FORMAT):
-        return [parse_location(location)]
+        loc = parse_location(location)
+        return [loc], loc.partial
     parts = d.get("parts")
     if not isinstance(parts, list) or not parts:
         raise PublicationError(f"weights location without parts: {location[:200]!r}")
     locs = [parse_location(json.dumps(p)) for p in parts]
     if any(loc.version != d.get("version") for loc in locs):
         raise PublicationError(f"inconsistent weights location (parts of other versions): {location[:200]!r}")
-    return locs
-
-
-def _composite_partial(location: str, first: Location) -> bool:
-    """A version's own ``partial`` flag: the composite's when it has parts, else its one part's."""
-    d = json.loads(location)
-    return bool(d.get("partial", False)) if d.get("format") == PARTS_FORMAT else first.partial
+    return locs, bool(d.get("partial", False))
 
 
 def parse_location(location: str) -> Location:
@@ -381,7 +381,7 @@ class WeightPuller(_MooncakeSide):
     def pull(self, location: str) -> PulledWeights:
         """Read a published version, every part of it, and verify each part (CRC32, manifest) and
         the whole (no tensor twice); raise on any mismatch before anything is handed out."""
-        locs = parse_parts(location)
+        locs, partial = _parse_version(location)
         starts, total = [], 0
         for loc in locs:  # each part on its own aligned region of one staging buffer
             starts.append(total)
@@ -408,7 +408,6 @@ class WeightPuller(_MooncakeSide):
             if len(set(names)) != len(names):
                 twice = sorted({n for n in names if names.count(n) > 1})
                 raise PublicationError(f"version {locs[0].version}: tensors in more than one part: {twice[:5]}")
-            partial = _composite_partial(location, locs[0])
             return PulledWeights(locs[0].version, entries, partial, staging[:total], pull_s)
 
     def close(self) -> None:

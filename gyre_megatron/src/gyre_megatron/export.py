@@ -94,7 +94,7 @@ def hf_config(spec: Any, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` of the equivalent HF model of ``spec``'s family, its weights in ``dtype``."""
     from gyre_megatron.families import family_named
 
-    family = family_named(getattr(spec, "family", "qwen2"))
+    family = family_named(spec.family)
     if family is None:
         raise ValueError(f"no HF family {spec.family!r} to export as")
     return {
@@ -103,7 +103,7 @@ def hf_config(spec: Any, dtype: str = "float32") -> dict[str, Any]:
         "intermediate_size": spec.ffn_hidden_size, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
         "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta, "tie_word_embeddings": bool(getattr(spec, "tie_embeddings", False)),
+        "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": dtype, "attention_dropout": 0.0,
         **family.config_fields(spec),
     }

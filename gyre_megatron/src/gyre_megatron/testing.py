@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["build_checkpoint", "build_qwen2_checkpoint", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
+__all__ = ["build_checkpoint", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
            "stop_nodes", "strike_once_joined", "wait_claimed"]
 
 
@@ -48,11 +48,6 @@ def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(str(path), safe_serialization=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def build_qwen2_checkpoint(path: Path, tied: bool = False, seed: int = 11) -> dict[str, torch.Tensor]:
-    """:func:`build_checkpoint` of the Qwen2 family."""
-    return build_checkpoint(path, tied, seed)
 
 
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -10,43 +10,14 @@ the families differ in which tensors exist, not in how the shared ones are laid 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from gyre_megatron.families import llama, qwen2, qwen3
+from gyre_megatron.families.base import DenseFamily
 
 __all__ = ["FAMILIES", "DenseFamily", "family_named"]
 
-
-@dataclass(frozen=True)
-class DenseFamily:
-    model_type: str
-    """``model_type`` in ``config.json``."""
-    architecture: str
-    """``architectures[0]`` in ``config.json`` (the transformers class that loads it)."""
-    config_class: str
-    """The transformers configuration class (tests build reference models with it)."""
-    qkv_bias: bool
-    """The q/k/v projections carry biases (and no other linear layer does)."""
-    qk_norm: bool = False
-    """Per-head RMSNorm of queries and keys before RoPE (``self_attn.q_norm``/``k_norm``)."""
-    own_head_dim: bool = False
-    """``config.json`` names ``head_dim``, which may differ from ``hidden_size / heads``."""
-    problems: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda raw: [])
-    """What the family's config asks for that the mapping cannot represent."""
-    config_fields: Callable[[Any], dict[str, Any]] = field(default=lambda spec: {})
-    """The family's own ``config.json`` keys for a :class:`~gyre_megatron.model.ModelSpec`."""
-
-
-def _families() -> dict[str, DenseFamily]:
-    from gyre_megatron.families import llama, qwen2, qwen3
-
-    return {f.model_type: f for f in (qwen2.FAMILY, qwen3.FAMILY, llama.FAMILY)}
-
-
-FAMILIES: dict[str, DenseFamily] = {}
-"""``model_type`` → family, filled on first use."""
+FAMILIES: dict[str, DenseFamily] = {f.model_type: f for f in (qwen2.FAMILY, qwen3.FAMILY, llama.FAMILY)}
+"""``model_type`` → family."""
 
 
 def family_named(model_type: str) -> DenseFamily | None:
-    if not FAMILIES:
-        FAMILIES.update(_families())
     return FAMILIES.get(model_type)

@@ -4,24 +4,11 @@ Llama 3.1's scaled RoPE are refused."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from gyre_megatron.families import DenseFamily
-
-
-def _problems(raw: Mapping[str, Any]) -> list[str]:
-    out = []
-    if raw.get("attention_bias"):
-        out.append("attention_bias true (supported: attention without biases)")
-    if raw.get("mlp_bias"):
-        out.append("mlp_bias true (supported: an MLP without biases)")
-    if int(raw.get("pretraining_tp") or 1) != 1:
-        out.append(f"pretraining_tp {raw.get('pretraining_tp')} (supported: 1)")
-    return out
-
+from gyre_megatron.families.base import DenseFamily
 
 FAMILY = DenseFamily(
-    model_type="llama", architecture="LlamaForCausalLM", config_class="LlamaConfig",
-    qkv_bias=False, own_head_dim=True, problems=_problems,
+    model_type="llama", architecture="LlamaForCausalLM", config_class="LlamaConfig", qkv_bias=False,
+    own_head_dim=True,
+    refused={"attention_bias": "attention without biases", "mlp_bias": "an MLP without biases"},
     config_fields=lambda spec: {"head_dim": spec.kv_channels, "attention_bias": False, "mlp_bias": False},
 )

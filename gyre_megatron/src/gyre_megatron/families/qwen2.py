@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from gyre_megatron.families import DenseFamily
-
-
-def _problems(raw: Mapping[str, Any]) -> list[str]:
-    return ["use_sliding_window true (supported: full attention)"] if raw.get("use_sliding_window") else []
-
+from gyre_megatron.families.base import DenseFamily
 
 FAMILY = DenseFamily(
-    model_type="qwen2", architecture="Qwen2ForCausalLM", config_class="Qwen2Config",
-    qkv_bias=True, problems=_problems,
+    model_type="qwen2", architecture="Qwen2ForCausalLM", config_class="Qwen2Config", qkv_bias=True,
+    refused={"use_sliding_window": "full attention"},
     config_fields=lambda spec: {"use_sliding_window": False},
 )

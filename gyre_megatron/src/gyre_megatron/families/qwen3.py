@@ -5,24 +5,11 @@ and ``kv_channels`` are the same thing."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from gyre_megatron.families import DenseFamily
-
-
-def _problems(raw: Mapping[str, Any]) -> list[str]:
-    out = []
-    if raw.get("use_sliding_window"):
-        out.append("use_sliding_window true (supported: full attention)")
-    if raw.get("attention_bias"):
-        out.append("attention_bias true (supported: attention without biases)")
-    return out
-
+from gyre_megatron.families.base import DenseFamily
 
 FAMILY = DenseFamily(
-    model_type="qwen3", architecture="Qwen3ForCausalLM", config_class="Qwen3Config",
-    qkv_bias=False, qk_norm=True, own_head_dim=True,
-    problems=_problems,
-    config_fields=lambda spec: {"head_dim": spec.kv_channels, "attention_bias": False,
-                                "use_sliding_window": False},
+    model_type="qwen3", architecture="Qwen3ForCausalLM", config_class="Qwen3Config", qkv_bias=False,
+    qk_norm=True, own_head_dim=True,
+    refused={"use_sliding_window": "full attention", "attention_bias": "attention without biases"},
+    config_fields=lambda spec: {"head_dim": spec.kv_channels, "attention_bias": False, "use_sliding_window": False},
 )
