@@ -6,7 +6,9 @@ scales so every layout is exercised:
 * Qwen2: a GQA model with untied embeddings and one with tied embeddings (as the small Qwen2
   releases have), at PP = 1 and PP = 2;
 * Qwen3 (per-head q/k norms, a head size of 16 where hidden / heads is 8) and Llama (no biases, a
-  head size of 12), each at TP 1, TP 2 and TP 2 × PP 2.
+  head size of 12), each at TP 1, TP 2 and TP 2 × PP 2;
+* Qwen3-MoE (Qwen3's attention, 6 experts of which the router picks 2, renormalised) at TP 1,
+  TP 2 × EP 2 and TP 2 × PP 2 × EP 2 (each tensor rank holding 3 whole experts).
 
 For each: at start Megatron's outputs equal HF transformers' on the same checkpoint (fp32,
 ≤ 1e-4: logits where the cell is one stage, every token's loss everywhere), and the export of the
@@ -27,28 +29,32 @@ transformers = pytest.importorskip("transformers")
 
 from gyre_megatron.hf_import import UnsupportedModel, spec_from_hf_config, spec_from_hf_dir  # noqa: E402
 
-LAYOUTS = [("qwen2", False, 1, 1), ("qwen2", False, 1, 2), ("qwen2", True, 1, 1), ("qwen2", True, 1, 2),
-           ("qwen3", False, 1, 1), ("qwen3", False, 2, 1), ("qwen3", False, 2, 2),
-           ("llama", False, 1, 1), ("llama", False, 2, 1), ("llama", False, 2, 2)]
-"""(family, tied, tp, pp)"""
+LAYOUTS = [("qwen2", False, 1, 1, 1), ("qwen2", False, 1, 2, 1), ("qwen2", True, 1, 1, 1), ("qwen2", True, 1, 2, 1),
+           ("qwen3", False, 1, 1, 1), ("qwen3", False, 2, 1, 1), ("qwen3", False, 2, 2, 1),
+           ("llama", False, 1, 1, 1), ("llama", False, 2, 1, 1), ("llama", False, 2, 2, 1),
+           ("qwen3_moe", False, 1, 1, 1), ("qwen3_moe", False, 2, 1, 2), ("qwen3_moe", False, 2, 2, 2)]
+"""(family, tied, tp, pp, ep)"""
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{f}-{'tied' if t else 'untied'}-tp{tp}-pp{pp}"
-                                                     for f, t, tp, pp in LAYOUTS])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{f}-{'tied' if t else 'untied'}-tp{tp}-pp{pp}" + (f"-ep{ep}" if ep > 1 else "")
+                                                     for f, t, tp, pp, ep in LAYOUTS])
 def imported(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
     from gyre_megatron.testing import build_checkpoint
 
-    family, tied, tp, pp = request.param
+    family, tied, tp, pp, ep = request.param
     ckpt = tmp_path_factory.mktemp("ckpt")
     original = build_checkpoint(ckpt, tied, seed=11 + int(tied), family=family)
     spec = spec_from_hf_dir(ckpt)
     assert (spec.family, spec.num_query_groups, spec.ffn_hidden_size, spec.tie_embeddings) == (family, 2, 80, tied)
     assert (spec.rope_theta, spec.norm_eps, spec.vocab_size) == (50000.0, 1e-5, 160)
     assert (spec.qkv_bias, spec.qk_norm, spec.kv_channels) == {
-        "qwen2": (True, False, 8), "qwen3": (False, True, 16), "llama": (False, False, 12)}[family]
-    with World(RankOptions(cells=1, tp=tp, pp=pp, spec=spec, init_from=str(ckpt)), n_queues=2) as w:
+        "qwen2": (True, False, 8), "qwen3": (False, True, 16), "llama": (False, False, 12),
+        "qwen3_moe": (False, True, 16)}[family]
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_ffn_hidden_size, spec.norm_topk_prob) == (
+        (6, 2, 24, True) if family == "qwen3_moe" else (0, 0, 0, False))
+    with World(RankOptions(cells=1, tp=tp, pp=pp, ep=ep, spec=spec, init_from=str(ckpt)), n_queues=2) as w:
         yield w, ckpt, original, tmp_path_factory.mktemp("export")
 
 
@@ -68,7 +74,7 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
         with torch.no_grad():
             hlogits = hf(items[0]["tokens"]).logits.numpy()
         err = float(np.abs(hlogits - mlogits).max())
-        print(f"\nimport {w.opts.spec.family} tp{w.opts.tp} pp1 tied={w.opts.spec.tie_embeddings}: "
+        print(f"\nimport {w.opts.spec.family} tp{w.opts.tp} ep{w.opts.ep} pp1 tied={w.opts.spec.tie_embeddings}: "
               f"logits max|HF - Megatron| {err:.3g}, max|logit| {float(np.abs(hlogits).max()):.3g}")
         assert err <= 1e-4 and float(np.abs(mlogits).max()) > 0.1
     tk = w.submit(w.ranks_of(0), "stock_vs_stream", items, 0)
@@ -147,6 +153,10 @@ def test_tied_copies_stay_in_step_through_an_update(imported) -> None:
     assert not np.array_equal(emb, original["model.embed_tokens.weight"].numpy())  # it did train
 
 
+_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
 @pytest.mark.parametrize("change, named", [
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type 'gemma'"),
     ({"architectures": ["LlamaForCausalLM"]}, "architectures ['LlamaForCausalLM']"),
@@ -155,7 +165,11 @@ def test_tied_copies_stay_in_step_through_an_update(imported) -> None:
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
       "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias"),
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "model_type 'qwen3_moe'"),
+    ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "model_type 'qwen2_moe'"),
+    ({**_MOE, "mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({**_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step 2"),
+    ({**_MOE, "num_experts_per_tok": 8}, "num_experts_per_tok 8 exceeds num_experts 4"),
+    ({**_MOE, "moe_intermediate_size": None}, "moe_intermediate_size None"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),
@@ -166,6 +180,7 @@ def test_unsupported_architectures_are_refused_by_name(change: dict, named: str)
     base = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 48, "intermediate_size": 80,
             "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 160}
     spec_from_hf_config(base)  # the base itself is fine
+    assert spec_from_hf_config({**base, **_MOE}).num_experts == 4  # so is its mixture-of-experts twin
     with pytest.raises(UnsupportedModel) as e:
         spec_from_hf_config({**base, **change})
     assert named in str(e.value)

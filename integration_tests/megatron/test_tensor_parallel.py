@@ -1,7 +1,11 @@
-"""Tensor parallelism inside a cell: megatron-core's column/row-parallel layers over gloo.
+"""Tensor and expert parallelism inside a cell: megatron-core's column/row-parallel layers and
+its MoE layers over gloo.
 
-One HF Qwen2 checkpoint (GQA, untied, random biases and norm scales; built locally) starts every
-layout: TP 1 × PP 1 (the reference), TP 2 × PP 1 and TP 2 × PP 2. On the same GSPO micro-steps,
+One HF checkpoint per family (GQA, untied, random biases and norm scales; built locally) starts
+every layout: TP 1 × PP 1 (the reference), then for Qwen2 TP 2 × PP 1 and TP 2 × PP 2, and for
+Qwen3-MoE (per-head q/k norms, 6 experts, 2 per token) TP 2 with each expert split over the
+tensor ranks (EP 1), TP 2 with EP 2 (each rank holds 3 whole experts) and TP 2 × PP 2 × EP 2 —
+sequence-parallel, as megatron-core trains MoE with TP. On the same GSPO micro-steps,
 streamed through the cell's queue as the live run streams them, each layout gives the reference's
 loss and gradients (merged from the shards, under HF names), the same gradient norm (a norm scale
 replicated on both shards counts once), and after an update the same weights. Exporting the
@@ -26,13 +30,22 @@ import torch
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers")
 
-LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (tp, pp); the first is the reference
+LAYOUTS = {"qwen2": [(1, 1, 1), (2, 1, 1), (2, 2, 1)],
+           "qwen3_moe": [(1, 1, 1), (2, 1, 1), (2, 1, 2), (2, 2, 2)]}
+"""(tp, pp, ep) per family; the first is the reference."""
+CASES = [(f, layout) for f, layouts in LAYOUTS.items() for layout in layouts]
+OTHERS = [(f, layout) for f, layouts in LAYOUTS.items() for layout in layouts[1:]]
 
 
-def build_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def _id(case: tuple[str, tuple[int, int, int]]) -> str:
+    family, (tp, pp, ep) = case
+    return f"{family}-tp{tp}pp{pp}" + (f"ep{ep}" if family == "qwen3_moe" else "")
+
+
+def build_checkpoint(path: Path, family: str = "qwen2") -> dict[str, torch.Tensor]:
     from gyre_megatron import testing
 
-    return testing.build_checkpoint(path, tied=False, seed=21)
+    return testing.build_checkpoint(path, tied=False, seed=21, family=family)
 
 
 def _microsteps() -> list:
@@ -45,10 +58,23 @@ def _hf_state(parts: list[dict]) -> dict[str, np.ndarray]:
     return {k: v for part in parts for k, v in part.items()}
 
 
+_measured: dict[str, tuple[dict, dict]] = {}
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Per layout: gradients and loss of one streamed batch, the export, one update."""
+    """Per family (measured when a test first asks): per layout, the gradients and loss of one
+    streamed batch, the export, one update."""
+    def get(family: str) -> tuple[dict, dict]:
+        if family not in _measured:
+            _measured[family] = _measure(family, tmp_path_factory)
+        return _measured[family]
 
+    yield get
+    _measured.clear()
+
+
+def _measure(family: str, tmp_path_factory) -> tuple[dict, dict]:
     from gyre_megatron.export import publish
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
@@ -56,17 +82,17 @@ def measured(tmp_path_factory):
     from gyre_megatron.testing import feed_in_bursts, read_weights
 
     ckpt = tmp_path_factory.mktemp("ckpt")
-    original = build_checkpoint(ckpt)
+    original = build_checkpoint(ckpt, family)
     spec = spec_from_hf_dir(ckpt)
-    out: dict[tuple[int, int], dict] = {}
-    for tp, pp in LAYOUTS:
-        opts = RankOptions(cells=1, tp=tp, pp=pp, spec=spec, init_from=str(ckpt), normalise_by_tokens=False,
+    out: dict[tuple[int, int, int], dict] = {}
+    for tp, pp, ep in LAYOUTS[family]:
+        opts = RankOptions(cells=1, tp=tp, pp=pp, ep=ep, spec=spec, init_from=str(ckpt), normalise_by_tokens=False,
                            clip_grad=1e-3)
         with World(opts, n_queues=2) as w:
             core = w.ranks_of(0)
             ranks = {(i["stage"], i["tp_rank"]): i["rank"] for i in w.info}
             assert all(i["device"] == "cpu" and i["node"] == socket.gethostname() for i in w.info)
-            exported = publish(w, {"publish_dir": str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}"))}, version=0)
+            exported = publish(w, {"publish_dir": str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}ep{ep}"))}, version=0)
             tk = w.submit(core, "stream_grads_hf", 0)
             feed_in_bursts(w.queues[0], _microsteps(), burst=2, gap_s=0)
             streamed = w.wait(tk, 180)
@@ -74,7 +100,7 @@ def measured(tmp_path_factory):
             feed_in_bursts(w.queues[1], _microsteps(), burst=4, gap_s=0)
             stepped = w.wait(tk, 180)
             after = _hf_state(w.call(core, "export_hf"))
-        out[(tp, pp)] = {
+        out[(tp, pp, ep)] = {
             "ranks": ranks,
             "grads": _hf_state([s["grads"] for s in streamed]),
             "loss": sum(s["objective"]["loss"] for s in streamed if "objective" in s),
@@ -87,15 +113,16 @@ def measured(tmp_path_factory):
 
 
 def test_ranks_are_laid_out_tensor_innermost(measured) -> None:
-    _, out = measured
-    assert out[(2, 2)]["ranks"] == {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
-    assert out[(2, 1)]["ranks"] == {(0, 0): 0, (0, 1): 1}
+    _, out = measured("qwen2")
+    assert out[(2, 2, 1)]["ranks"] == {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
+    assert out[(2, 1, 1)]["ranks"] == {(0, 0): 0, (0, 1): 1}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda x: f"tp{x[0]}pp{x[1]}")
-def test_loss_and_gradients_equal_tp1(measured, layout) -> None:
-    _, out = measured
-    ref, got = out[(1, 1)], out[layout]
+@pytest.mark.parametrize("case", OTHERS, ids=_id)
+def test_loss_and_gradients_equal_tp1(measured, case) -> None:
+    family, layout = case
+    _, out = measured(family)
+    ref, got = out[(1, 1, 1)], out[layout]
     assert got["objectives"] == 1, "one rank (last stage, shard 0) reports the cell's objective"
     assert abs(got["loss"] - ref["loss"]) <= 1e-6 * max(1.0, abs(ref["loss"])), (got["loss"], ref["loss"])
     assert set(got["grads"]) == set(ref["grads"])
@@ -106,14 +133,15 @@ def test_loss_and_gradients_equal_tp1(measured, layout) -> None:
         err = float(np.abs(got["grads"][k] - g).max())
         worst = max(worst, err / scale)
         assert err <= 1e-5 * scale, (k, err, scale)
-    print(f"\ntp{layout[0]}pp{layout[1]} vs tp1pp1: loss {got['loss']:.6g} vs {ref['loss']:.6g}, "
+    print(f"\n{_id(case)} vs tp1pp1: loss {got['loss']:.6g} vs {ref['loss']:.6g}, "
           f"max |Δgrad| / max |grad| {worst:.2e}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda x: f"tp{x[0]}pp{x[1]}")
-def test_grad_norm_and_update_equal_tp1(measured, layout) -> None:
-    _, out = measured
-    ref, got = out[(1, 1)], out[layout]
+@pytest.mark.parametrize("case", OTHERS, ids=_id)
+def test_grad_norm_and_update_equal_tp1(measured, case) -> None:
+    family, layout = case
+    _, out = measured(family)
+    ref, got = out[(1, 1, 1)], out[layout]
     norm = ref["grad_norm"][0]
     assert norm > 1e-3, "the test's clip (1e-3) must be active"
     assert all(abs(n - norm) <= 1e-5 * norm for n in got["grad_norm"]), (got["grad_norm"], norm)
@@ -121,9 +149,10 @@ def test_grad_norm_and_update_equal_tp1(measured, layout) -> None:
         assert float(np.abs(got["after"][k] - v).max()) <= 1e-6, k
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}")
-def test_export_of_the_sharded_import_gives_back_the_checkpoint(measured, layout) -> None:
-    original, out = measured
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_export_of_the_sharded_import_gives_back_the_checkpoint(measured, case) -> None:
+    family, layout = case
+    original, out = measured(family)
     exported = out[layout]["export"]
     assert set(exported) == set(original)
     for k, v in original.items():
@@ -141,7 +170,7 @@ def test_a_tp2_satellite_joins_and_the_update_equals_one_cell(measured, tmp_path
     from gyre_megatron.runtime import RankOptions
     from gyre_megatron.testing import feed_in_bursts
 
-    original, out = measured
+    original, out = measured("qwen2")
     ckpt = tmp_path / "ckpt"
     build_checkpoint(ckpt)
     spec = spec_from_hf_dir(ckpt)
@@ -173,9 +202,9 @@ def test_a_tp2_satellite_joins_and_the_update_equals_one_cell(measured, tmp_path
         after_core = _hf_state(w.call(core, "export_hf"))
         sat_params = w.call(sat, "params_numpy")
         core_params = w.call(core, "params_numpy")
-    norm = out[(1, 1)]["grad_norm"][0]
+    norm = out[(1, 1, 1)]["grad_norm"][0]
     assert all(abs(i["grad_norm"] - norm) <= 1e-5 * norm for i in info if i["cell"] == 0)
-    for k, v in out[(1, 1)]["after"].items():
+    for k, v in out[(1, 1, 1)]["after"].items():
         assert float(np.abs(after_core[k] - v).max()) <= 1e-6, k
     for c, s in zip(core_params, sat_params):  # the new weights went to the satellite's shards
         assert all(np.array_equal(c[k], s[k]) for k in c)

@@ -95,6 +95,7 @@ class RankChecks:
         and, on the last stage, the objective's figures; applies no update, leaves no grads."""
         self.zero_grads()
         res = self._stream(self._control(queue_idx))
+        self._sum_tensor_partial_grads()  # as a step does before its update
         out: dict[str, Any] = {"grads": self.grads_hf(), "micro_steps": res.micro_steps}
         if self.rank == self.last:
             out["objective"] = objective_figures(res.losses, res)

@@ -8,6 +8,9 @@ HF names, with Megatron's fused tensors split the way the HF modules expect:
   it is regrouped into ``q_proj``, ``k_proj``, ``v_proj`` (weights and biases);
 * ``linear_fc1`` is ``[gate; up]`` (SwiGLU): split into ``gate_proj`` and ``up_proj``;
 * ``q_layernorm``/``k_layernorm`` (Qwen3) become ``q_norm``/``k_norm``;
+* a mixture-of-experts layer's ``mlp.router`` becomes ``mlp.gate``, and expert ``e``'s
+  ``linear_fc1``/``linear_fc2`` (named by its global index once the expert-parallel ranks are
+  gathered, :func:`gyre_megatron.tp_layout.merge_shards`) ``mlp.experts.<e>.gate_proj``/``up_proj``/``down_proj``;
 * layer ``i`` of pipeline stage ``s`` is global layer ``s·L/P + i``.
 
 Tensor-parallel shards are merged first (:func:`gyre_megatron.tp_layout.merge_tp`, on the ranks:
@@ -34,6 +37,7 @@ __all__ = ["hf_config", "load_hf_model", "megatron_to_hf", "merge_tp", "publish"
            "serving_dtype", "shard_file", "write"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
 def _split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -83,6 +87,15 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], spec: Any, layer_offset: i
                 out[p + "mlp.up_proj.weight"] = up.contiguous()
             elif rest == "mlp.linear_fc2.weight":
                 out[p + "mlp.down_proj.weight"] = t
+            elif rest == "mlp.router.weight":
+                out[p + "mlp.gate.weight"] = t
+            elif (e := _EXPERT.match(rest)) is not None:
+                x = f"{p}mlp.experts.{e.group(1)}."
+                if e.group(2) == "1":
+                    gate, up = t.chunk(2, dim=0)
+                    out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate.contiguous(), up.contiguous()
+                else:
+                    out[x + "down_proj.weight"] = t
             else:
                 raise KeyError(f"no serving-layout name for Megatron parameter {name}")
         else:
@@ -166,9 +179,10 @@ def release_older_than(world: Any, version: int) -> None:
 
 def load_hf_model(path: str) -> torch.nn.Module:
     """Load a published checkpoint into its family's ``transformers`` model (eager attention,
-    fp32); strict except for HF's non-persistent rotary buffers. Used by tests to check the export."""
+    fp32), refusing any missing or unexpected tensor. Through ``from_pretrained``, so that
+    transformers' own conversions apply (5.x fuses each layer's experts on load). Used by tests
+    to check the export."""
     import transformers
-    from safetensors.torch import load_file
 
     from gyre_megatron.families import family_named
 
@@ -176,13 +190,10 @@ def load_hf_model(path: str) -> torch.nn.Module:
     family = family_named(str(raw.get("model_type")))
     if family is None:
         raise KeyError(f"{path}: no supported family {raw.get('model_type')!r}")
-    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
-    cfg = getattr(transformers, family.config_class)(**kwargs)
-    cfg._attn_implementation = "eager"
-    model = getattr(transformers, family.architecture)(cfg).float().eval()
-    state = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if raw.get("tie_word_embeddings") else set()  # the embedding's own copy
-    if unexpected or any("rotary" not in k and k not in tied for k in missing):
-        raise KeyError(f"checkpoint does not fit {family.architecture}: missing {missing}, unexpected {unexpected}")
-    return model
+    model, info = getattr(transformers, family.architecture).from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    missing, unexpected = list(info.get("missing_keys", [])), list(info.get("unexpected_keys", []))
+    if unexpected or any("rotary" not in k for k in missing) or info.get("mismatched_keys"):
+        raise KeyError(f"checkpoint does not fit {family.architecture}: missing {missing}, unexpected {unexpected}, "
+                       f"mismatched {info.get('mismatched_keys')}")
+    return model.float().eval()

@@ -10,6 +10,9 @@ way Megatron's modules expect:
   ``linear_qkv`` laid out per query group ``[q_0..q_{r-1}, k, v]``;
 * ``gate_proj`` and ``up_proj`` → ``linear_fc1`` as ``[gate; up]``;
 * ``q_norm``/``k_norm`` (Qwen3) → ``q_layernorm``/``k_layernorm``;
+* mixture-of-experts layers (Qwen3-MoE): ``mlp.gate`` → ``mlp.router``, and expert ``e``'s
+  ``gate_proj``/``up_proj``/``down_proj`` → ``mlp.experts.local_experts.<e − first>``'s
+  ``linear_fc1``/``linear_fc2`` on the rank whose first expert is ``first`` (expert parallelism);
 * global layer ``s·L/P + i`` → layer ``i`` of pipeline stage ``s``; with tied embeddings the last
   stage's output layer starts as a copy of ``embed_tokens`` (megatron-core keeps the two in step).
 
@@ -32,6 +35,7 @@ from gyre_megatron.model import megatron_name
 __all__ = ["UnsupportedModel", "hf_to_megatron", "load_hf_state", "spec_from_hf_config", "spec_from_hf_dir"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
 class UnsupportedModel(ValueError):
@@ -78,6 +82,7 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
             problems.append(f"head_dim {raw.get('head_dim')} differs from hidden_size / num_attention_heads")
         if heads % kv:
             problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    experts = _expert_fields(raw, problems) if family is not None and family.experts else {}
     if problems or family is None:
         raise UnsupportedModel(where, problems)
     return ModelSpec(
@@ -89,7 +94,28 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), seed=seed,
         family=family.model_type, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
         head_dim=head_dim if head_dim != int(raw["hidden_size"]) // int(raw["num_attention_heads"]) else 0,
+        **experts,
     )
+
+
+def _expert_fields(raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """A mixture-of-experts ``config.json``'s expert settings as :class:`ModelSpec` fields; what
+    the mapping cannot represent goes to ``problems``. transformers 5 writes the expert count as
+    ``num_local_experts``, earlier releases (and published checkpoints) as ``num_experts``."""
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    k, width = raw.get("num_experts_per_tok"), raw.get("moe_intermediate_size")
+    if not all(isinstance(v, int) and v > 0 for v in (n, k, width)):
+        problems.append(f"num_experts {n}, num_experts_per_tok {k}, moe_intermediate_size {width}: "
+                        "expected positive integers")
+        return {}
+    if int(k) > int(n):
+        problems.append(f"num_experts_per_tok {k} exceeds num_experts {n}")
+    if raw.get("decoder_sparse_step", 1) != 1:
+        problems.append(f"decoder_sparse_step {raw.get('decoder_sparse_step')} (supported: 1, every layer sparse)")
+    if raw.get("shared_expert_intermediate_size"):
+        problems.append("shared experts (supported: routed experts only)")
+    return {"num_experts": int(n), "experts_per_token": int(k), "expert_ffn_hidden_size": int(width),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False))}
 
 
 def spec_from_hf_dir(path: str | Path, seed: int = 1234) -> Any:
@@ -123,8 +149,10 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, gro
     return torch.cat(parts, dim=1).reshape(groups * (r + 2) * head_dim, *rest)
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, layer_offset: int) -> dict[str, torch.Tensor]:
-    """The tensors of one stage's Megatron parameters ``names`` from an HF state dict."""
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, layer_offset: int,
+                   expert_offset: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of one stage's Megatron parameters ``names`` from an HF state dict; local
+    expert ``j`` is the checkpoint's expert ``expert_offset + j``."""
     hd = spec.kv_channels
 
     def get(key: str) -> torch.Tensor:
@@ -160,6 +188,12 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], names: list[str], spec: Any, 
                 t = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             elif rest == "mlp.linear_fc2.weight":
                 t = get(p + "mlp.down_proj.weight")
+            elif rest == "mlp.router.weight":
+                t = get(p + "mlp.gate.weight")
+            elif (e := _EXPERT.match(rest)) is not None:
+                x = f"{p}mlp.experts.{expert_offset + int(e.group(1))}."
+                t = (torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")]) if e.group(2) == "1"
+                     else get(x + "down_proj.weight"))
             else:
                 raise KeyError(f"no HF {spec.family} tensor for Megatron parameter {full}")
         else:

@@ -31,9 +31,10 @@ import torch
 __all__ = ["as_item", "microstep_to_item"]
 
 
-def _padded(rows: Any) -> dict[str, torch.Tensor]:
-    """The per-token fields of ``rows`` as ``[rows, longest row]`` tensors, shifted by one."""
-    width = max(len(r) for r in rows)
+def _padded(rows: Any, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The per-token fields of ``rows`` as ``[rows, longest row]`` tensors, shifted by one; the
+    width rounded up to a ``multiple`` (a sequence-parallel stage splits it over its tensor ranks)."""
+    width = -(-max(len(r) for r in rows) // multiple) * multiple
     shape = (len(rows), width)
     tokens = torch.zeros(shape, dtype=torch.int64)
     labels = torch.zeros(shape, dtype=torch.int64)
@@ -58,7 +59,7 @@ def _padded(rows: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _outside_chunks(pack: Any) -> list[dict[str, torch.Tensor]]:
+def _outside_chunks(pack: Any, multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     """The pack's :attr:`~gyre_core.dataplane.packing.Pack.outside` rows as forward-only items of at
     most the pack's own size in tokens (a row is never longer than the budget), so the ratio pass
     needs no more activation memory than the training forward."""
@@ -73,7 +74,7 @@ def _outside_chunks(pack: Any) -> list[dict[str, torch.Tensor]]:
         room -= len(r)
     out = []
     for rows in chunks:
-        item = _padded(rows)
+        item = _padded(rows, multiple)
         del item["advantages"]
         item["n_executions"] = torch.tensor(int(pack.n_executions))
         item["ratio_only"] = torch.tensor(1)
@@ -81,27 +82,29 @@ def _outside_chunks(pack: Any) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, float] | None = None) -> dict[str, Any]:
+def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, float] | None = None,
+                      multiple: int = 1) -> dict[str, Any]:
     """``{tokens, labels, loss_mask, behaviour_logprobs, advantages, exec_slots, n_executions,
     index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the GSPO settings
     ``(token_weight_cap, clip_low, clip_high)`` (the paper's by default). A pack with parts of split
     executions adds ``outside``: forward-only items of their other rows (``ratio_only``), which
-    the stream runs before this one to complete each execution's ratio."""
+    the stream runs before this one to complete each execution's ratio. Widths are padded to a
+    ``multiple`` of tokens (weight 0)."""
     pack = ms.packs[dp_rank]
     rows = pack.rows
     if not rows:
         raise ValueError(f"micro-step {ms.index}: data-parallel rank {dp_rank} has an empty pack")
-    item: dict[str, Any] = {**_padded(rows), "n_executions": torch.tensor(int(pack.n_executions)),
+    item: dict[str, Any] = {**_padded(rows, multiple), "n_executions": torch.tensor(int(pack.n_executions)),
                             "index": torch.tensor(ms.index)}
     if objective is not None:
         item["objective"] = torch.tensor(objective, dtype=torch.float64)
     if pack.outside:
-        item["outside"] = _outside_chunks(pack)
+        item["outside"] = _outside_chunks(pack, multiple)
     return item
 
 
-def as_item(obj: Any, objective: tuple[float, float, float] | None = None) -> Any:
+def as_item(obj: Any, objective: tuple[float, float, float] | None = None, multiple: int = 1) -> Any:
     """Claimed queue entries as schedule items: micro-steps converted, anything else as is."""
     if obj is not None and hasattr(obj, "packs") and hasattr(obj, "index"):
-        return microstep_to_item(obj, objective=objective)
+        return microstep_to_item(obj, objective=objective, multiple=multiple)
     return obj

@@ -3,6 +3,7 @@
 The layout the supported families share (:mod:`gyre_megatron.families`: Qwen2, Qwen3, Llama),
 so that weight export has a real serving target: RMSNorm, SwiGLU MLP without biases,
 grouped-query attention, RoPE, QKV biases and per-head q/k norms where the family has them,
+a router over SwiGLU experts in place of the MLP for a mixture-of-experts family,
 untied output layer by default (a tied one, as in
 the smaller Qwen2 checkpoints, is kept in step across pipeline stages by summing its gradients over
 megatron-core's embedding group; see :mod:`gyre_megatron.runtime`). The local
@@ -42,6 +43,14 @@ class ModelSpec:
     """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
     head_dim: int = 0
     """Size of one attention head; 0: ``hidden_size / num_attention_heads``."""
+    num_experts: int = 0
+    """Experts per MLP (mixture-of-experts families); 0: a dense SwiGLU MLP."""
+    experts_per_token: int = 0
+    """Experts the router picks for each token (HF ``num_experts_per_tok``)."""
+    expert_ffn_hidden_size: int = 0
+    """One expert's SwiGLU width (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """The picked experts' router weights are renormalised to sum to one."""
 
     @property
     def kv_channels(self) -> int:
@@ -57,7 +66,39 @@ and pipeline messages in bfloat16; gradients reduced and the optimizer (Adam sta
 weights) kept in float32 -- megatron-core's mixed precision."""
 
 
-def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precision: str = "fp32") -> Any:
+def _moe_settings(spec: ModelSpec, tp_size: int, ep_size: int) -> dict[str, Any]:
+    """megatron-core's MoE settings for ``spec`` (none for a dense model).
+
+    Expert parallelism is folded onto the tensor group: with ``ep_size == tp_size`` each tensor
+    rank holds whole experts (expert tensor parallelism 1); with ``ep_size == 1`` every expert is
+    split over the tensor group like the dense MLP. Either way a cell's expert layout stays inside
+    its ranks. No load-balancing loss: the RL objective is the only gradient (an auxiliary loss
+    would change what the policy optimises, and HF's is a training-time extra too). The
+    ``allgather`` dispatcher is the one that runs over gloo. With ``tp_size > 1`` megatron-core
+    trains MoE layers only under sequence parallelism: each tensor rank then holds ``1/tp`` of
+    the sequence between the tensor-parallel blocks (see :func:`sequence_parallel`)."""
+    if not spec.num_experts:
+        return {}
+    return dict(
+        sequence_parallel=sequence_parallel(spec, tp_size),
+        num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+        moe_router_topk=spec.experts_per_token, moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False, expert_model_parallel_size=ep_size,
+        expert_tensor_parallel_size=1 if ep_size > 1 else tp_size,
+    )
+
+
+def sequence_parallel(spec: ModelSpec, tp_size: int) -> bool:
+    """Whether a stage runs sequence-parallel: a mixture-of-experts model over several tensor
+    ranks (megatron-core refuses to train MoE with TP otherwise). Micro-steps are then padded to
+    a multiple of ``tp_size`` tokens, pipeline messages carry ``1/tp`` of the sequence, and the
+    replicated parameters' gradients are summed over the tensor group."""
+    return bool(spec.num_experts) and tp_size > 1
+
+
+def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precision: str = "fp32",
+                       ep_size: int = 1) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if precision not in PRECISIONS:
@@ -92,6 +133,7 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **_moe_settings(spec, tp_size, ep_size),
     )
 
 
@@ -110,13 +152,58 @@ def _seed_model_parallel_rng(seed: int) -> None:
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return
+    from megatron.core import parallel_state as ps
+
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if "model-parallel-rng" not in tracker.states_:
         tracker.add("model-parallel-rng", seed + 2718)
+    if "expert-parallel-rng" not in tracker.states_:  # MoE layers fork it (as upstream seeds it)
+        tracker.add("expert-parallel-rng", seed + 1024 + 100 * ps.get_expert_model_parallel_rank())
 
 
-def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, precision: str = "fp32"
-                ) -> tuple[Any, Any]:
+def _router_without_transformer_engine() -> None:
+    """megatron-core's router GEMM tests ``te_general_gemm is not None``, a name its module
+    defines only when TransformerEngine imports: without TE (the local spec, any CPU) it is
+    ``None``, which selects the plain ``torch`` GEMM."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """megatron-core's local norm under sequence parallelism. Upstream's ``WrappedTorchNorm``
+    refuses it because nothing would sum its scale's gradient over the tensor group (each rank
+    sees its share of the sequence); this one marks the scale ``sequence_parallel`` as
+    megatron-core's own norms do, and Gyre's step sums the marked gradients
+    (:meth:`gyre_megatron.runtime.CellRank._sum_tensor_partial_grads`)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+
+def _sequence_parallel_block(layer_spec: Any, layers: int) -> Any:
+    """A block of ``layers`` copies of ``layer_spec`` with every local norm (the layer's, the
+    per-head q/k norms, the final one) a :class:`SequenceParallelRMSNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def swap(node: Any) -> Any:
+        if node is WrappedTorchNorm:
+            return SequenceParallelRMSNorm
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            return dataclasses.replace(node, **{f.name: swap(getattr(node, f.name))
+                                                for f in dataclasses.fields(node) if f.init})
+        return node
+
+    return TransformerBlockSubmodules(layer_specs=[swap(layer_spec)] * layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, precision: str = "fp32",
+                ep_size: int = 1) -> tuple[Any, Any]:
     """This rank's shard of one pipeline stage, wrapped in megatron-core DDP (grad buffers, no
     sync). With ``use_cpu_initialization`` megatron-core draws each full weight and keeps this
     rank's slice, so a seeded model starts with the same weights at every ``tp_size``."""
@@ -124,12 +211,18 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, p
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, pp_size, tp_size, precision)
+    config = transformer_config(spec, pp_size, tp_size, precision, ep_size)
+    if spec.num_experts:
+        _router_without_transformer_engine()
     torch.manual_seed(spec.seed + 1000 * pp_rank)
     _seed_model_parallel_rng(spec.seed)
+    layer_spec: Any = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                                               normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    if config.sequence_parallel:
+        layer_spec = _sequence_parallel_block(layer_spec, spec.num_layers // pp_size)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_seq_len,
         pre_process=pp_rank == 0,

@@ -90,6 +90,9 @@ class RankOptions:
     rank keeps its parent's console."""
     tp: int = 1
     """Tensor-parallel width of every stage (megatron-core's column/row-parallel layers)."""
+    ep: int = 1
+    """Expert-parallel width of a mixture-of-experts model, folded onto the tensor group: 1
+    (each expert split like the dense MLP) or ``tp`` (each tensor rank holds whole experts)."""
     precision: str = "fp32"
     """``fp32``, or ``bf16`` parameters with a float32 optimizer (see :data:`gyre_megatron.model.PRECISIONS`)."""
     keep_update_grads: bool = False
@@ -123,6 +126,10 @@ class CellRank(RankChecks):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=T,
             pipeline_model_parallel_size=P,
+            # expert parallelism on the tensor group (order "tp-cp-ep-pp-dp" with expert TP 1
+            # makes the expert groups the tensor groups): a cell's experts stay inside its ranks
+            expert_model_parallel_size=opts.ep,
+            expert_tensor_parallel_size=1 if opts.ep > 1 else T,
             order="tp-cp-ep-pp-dp",
             distributed_timeout_minutes=opts.data_timeout_s / 60.0,
         )
@@ -145,7 +152,7 @@ class CellRank(RankChecks):
                     self.prefix[m] = g
         self.store = dist.distributed_c10d._get_default_store()
         self.store.set_timeout(timedelta(seconds=opts.store_timeout_s))
-        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision)
+        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision, opts.ep)
         self.model = self.ddp
         if opts.init_from:
             self._load_hf(opts.init_from)
@@ -173,18 +180,39 @@ class CellRank(RankChecks):
 
     def _load_hf(self, path: str) -> None:
         from gyre_megatron.hf_import import hf_to_megatron, load_hf_state
-        from gyre_megatron.tp_layout import shard_tp
+        from gyre_megatron.tp_layout import expert_offset, shard_tp, split_tp
 
-        per_stage = self.opts.spec.num_layers // self.opts.pp
+        opts = self.opts
+        per_stage = opts.spec.num_layers // opts.pp
         named = dict(self.ddp.module.named_parameters())
-        tensors = hf_to_megatron(load_hf_state(path), list(named), self.opts.spec, self.stage * per_stage)
+        tensors = hf_to_megatron(load_hf_state(path), list(named), opts.spec, self.stage * per_stage,
+                                 expert_offset(opts.spec.num_experts, opts.ep, self.tp_rank))
         with torch.no_grad():
             for name, full in tensors.items():
                 p = named[name]
-                t = shard_tp(name, full, self.opts.tp, self.tp_rank)
+                t = shard_tp(name, full, split_tp(name, opts.tp, opts.ep), self.tp_rank)
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
                 p.copy_(t.to(p.dtype))
+
+    def _sum_tensor_partial_grads(self) -> None:
+        """Sum over the tensor group the gradients each tensor rank holds only a part of: the
+        per-head q/k norm scales (each rank normalises its own heads) and, under sequence
+        parallelism, every replicated parameter (norms, the router: each rank saw its share of
+        the sequence). megatron-core's ``finalize_model_grads`` does this; Gyre's step, which
+        reduces over cells itself, does it here (the core, after the cells' sum)."""
+        if self.opts.tp == 1:
+            return
+        sp = bool(self.config.sequence_parallel)
+        grads = [p.main_grad for n, p in self.ddp.module.named_parameters()
+                 if (sp and getattr(p, "sequence_parallel", False)) or "q_layernorm" in n or "k_layernorm" in n]
+        if grads:
+            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.tp_group)
+            for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(summed)
 
     def _sum_tied_embedding_grads(self) -> None:
         if self.embedding_group is None or not (self.stage == 0 or self.stage == self.opts.pp - 1):
@@ -216,7 +244,9 @@ class CellRank(RankChecks):
         return self._transport
 
     def _shape_of(self, item: Any) -> list[tuple[int, ...]]:
-        return [(item["tokens"].shape[1], item["tokens"].shape[0], self.config.hidden_size)]
+        """A pipeline message ``[sequence, rows, hidden]``: sequence-parallel stages pass their share."""
+        seq = item["tokens"].shape[1] // (self.opts.tp if self.config.sequence_parallel else 1)
+        return [(seq, item["tokens"].shape[0], self.config.hidden_size)]
 
     def _control(self, queue_idx: int | None, items: Sequence[Any] | None = None) -> ControlChannel:
         claim = None
@@ -225,7 +255,8 @@ class CellRank(RankChecks):
                 from gyre_megatron.microsteps import as_item
 
                 q = self.queues[queue_idx]
-                claim = lambda t: as_item(q.claim(t), tuple(self.opts.objective))  # noqa: E731
+                multiple = self.opts.tp if self.config.sequence_parallel else 1
+                claim = lambda t: as_item(q.claim(t), tuple(self.opts.objective), multiple)  # noqa: E731
             else:
                 it = iter(list(items or []))
                 claim = lambda _t: next(it, None)  # noqa: E731
@@ -258,8 +289,10 @@ class CellRank(RankChecks):
         params = [p for p in self.ddp.module.parameters() if not getattr(p, "shared", False)]
         if self.opts.tp == 1 and len(params) == len(list(self.ddp.module.parameters())):
             return sum(float(b.double().pow(2).sum()) for b in self.grad_buffers())
+        # an expert megatron marks ``allreduce=False``: with expert parallelism each rank holds its own
         return sum(float(p.main_grad.double().pow(2).sum()) for p in params
-                   if self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+                   if self.tp_rank == 0 or getattr(p, "tensor_model_parallel", False)
+                   or (self.opts.ep > 1 and not getattr(p, "allreduce", True)))
 
     def grads_numpy(self) -> list[Any]:
         return [p.main_grad.detach().clone().cpu().numpy() for p in self.ddp.module.parameters()]
@@ -297,14 +330,14 @@ class CellRank(RankChecks):
         renamed on tensor shard 0 (the other shards answer ``{}``). ``copy=False``: host tensors
         may stay views of the parameters (for a caller that copies them at once)."""
         from gyre_megatron.export import megatron_to_hf
-        from gyre_megatron.tp_layout import merge_tp
+        from gyre_megatron.tp_layout import merge_shards
 
         if self.opts.tp > 1:  # every shard takes part in each gather, in the same (name) order
             full = {}
             for name, t in state.items():
                 parts = [torch.empty_like(t) for _ in range(self.opts.tp)]
                 dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
-                full[name] = merge_tp(name, parts)
+                full.update(merge_shards(name, parts, self.opts.ep, self.opts.spec.num_experts))
             if self.tp_rank != 0:
                 return {}
             state = full
@@ -582,6 +615,7 @@ class CellRank(RankChecks):
         """Normalise, clip and update on the core; then send the new weights to satellites."""
         info["total_tokens"] = total
         if self.is_core:
+            self._sum_tensor_partial_grads()
             self._sum_tied_embedding_grads()
             if self.opts.normalise_by_tokens:  # not for objectives whose W_t already normalise
                 for buf in self.grad_buffers():

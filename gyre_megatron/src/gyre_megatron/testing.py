@@ -26,8 +26,9 @@ __all__ = ["build_checkpoint", "read_weights", "feed_in_bursts", "free_port", "m
 def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str = "qwen2") -> dict[str, torch.Tensor]:
     """A small HF checkpoint of ``family`` written to ``path`` (GQA: 6 heads over 2 KV groups,
     hidden 48, FFN 80, 4 layers, vocabulary 160; Qwen3 with a head size of 16, not 48 / 6, and
-    Llama with 12), so the settings a family adds are exercised), with random biases and
-    norm scales so their layouts are exercised; returns its tensors. Built locally: nothing is
+    Llama with 12; Qwen3-MoE with Qwen3's attention and 6 experts, 2 per token), so the settings
+    a family adds are exercised), with random biases and
+    norm scales so their layouts are exercised; returns the tensors of its weight file. Built locally: nothing is
     downloaded."""
     import transformers
 
@@ -35,7 +36,11 @@ def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str
 
     fam = family_named(family)
     assert fam is not None, family
-    own = {"qwen3": {"head_dim": 16}, "llama": {"head_dim": 12}}.get(family, {})
+    own = {"qwen3": {"head_dim": 16}, "llama": {"head_dim": 12},
+           # 6 experts of width 24, 2 per token, renormalised: routing is exercised, and the
+           # experts split evenly over 2 expert-parallel (or tensor-parallel) ranks
+           "qwen3_moe": {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                         "norm_topk_prob": True}}.get(family, {})
     torch.manual_seed(seed)
     cfg = getattr(transformers, fam.config_class)(
         vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
@@ -47,7 +52,11 @@ def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str
             if name.endswith(".bias") or "norm" in name:  # non-trivial biases and norm scales
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(str(path), safe_serialization=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # the checkpoint's own tensors (transformers 5 fuses experts in memory, not in the file)
+    state = read_weights(path)
+    if tied:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    return state
 
 
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -8,17 +8,56 @@ halves ``[gate_t; up_t]`` of SwiGLU's ``[gate; up]``. Row-parallel layers (``lin
 
 :func:`shard_tp` cuts a full tensor into rank ``t``'s shard (the HF import), :func:`merge_tp`
 joins the shards back (the export); each is the other's inverse.
+
+Mixture-of-experts stages: the router is replicated. Expert parallelism is folded onto the
+tensor group (:func:`gyre_megatron.model.transformer_config`): with ``ep == tp`` tensor rank ``t``
+holds experts ``t·E/ep .. (t+1)·E/ep − 1`` whole, numbered from 0 locally
+(``mlp.experts.local_experts.<j>``); with ``ep == 1`` each expert is split like the dense MLP.
+:func:`merge_shards` names the gathered experts by their global index.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_tp", "shard_tp", "tp_problems"]
+import re
+
+__all__ = ["expert_offset", "is_expert", "merge_shards", "merge_tp", "shard_tp", "split_tp", "tp_problems"]
+
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 
 
 def _replicated(name: str) -> bool:
-    return "layernorm" in name or "layer_norm" in name or name.endswith("norm.weight")
+    return "layernorm" in name or "layer_norm" in name or name.endswith(("norm.weight", "router.weight"))
+
+
+def is_expert(name: str) -> bool:
+    """One expert's weight (``mlp.experts.local_experts.<j>.*``)."""
+    return _LOCAL_EXPERT.search(name) is not None
+
+
+def expert_offset(num_experts: int, ep: int, ep_rank: int) -> int:
+    """The global index of expert-parallel rank ``ep_rank``'s first local expert."""
+    return ep_rank * (num_experts // ep) if ep > 1 else 0
+
+
+def global_expert_name(name: str, offset: int) -> str:
+    """``name`` with its local expert index moved by ``offset`` (the rank's first expert)."""
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name) if offset else name
+
+
+def split_tp(name: str, tp: int, ep: int) -> int:
+    """Over how many ranks parameter ``name`` is tensor-split: experts, with expert parallelism
+    folded onto the tensor group, are not split at all."""
+    return 1 if ep > 1 and is_expert(name) else tp
+
+
+def merge_shards(name: str, shards: list[torch.Tensor], ep: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """The full tensors of parameter ``name`` gathered from every tensor rank (rank order): one
+    merged tensor, or with expert parallelism one whole expert per rank, under global names."""
+    if ep > 1 and is_expert(name):
+        return {global_expert_name(name, expert_offset(num_experts, ep, r)): s for r, s in enumerate(shards)}
+    return {name: merge_tp(name, shards)}
 
 
 def _row_parallel(name: str) -> bool:
@@ -52,12 +91,22 @@ def shard_tp(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return full.chunk(tp, dim=dim)[rank].contiguous()
 
 
-def tp_problems(spec: object, tp: int) -> list[str]:
+def tp_problems(spec: object, tp: int, ep: int = 1) -> list[str]:
     """What keeps a model (a :class:`~gyre_megatron.model.ModelSpec`) from splitting over ``tp``
-    ranks: megatron-core divides heads, query groups, FFN width and vocabulary evenly."""
+    tensor and ``ep`` expert ranks: megatron-core divides heads, query groups, FFN width and
+    vocabulary evenly, and experts over expert ranks (folded onto the tensor group here)."""
     out = []
     for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
         v = int(getattr(spec, field))
         if v % tp:
             out.append(f"{field} {v} is not a multiple of tp {tp}")
+    experts = int(getattr(spec, "num_experts", 0))
+    if ep > 1 and not experts:
+        out.append(f"ep {ep} needs a mixture-of-experts model (this one is dense)")
+    elif ep not in (1, tp):
+        out.append(f"ep {ep}: expert parallelism is folded onto the tensor group, so ep is 1 or tp ({tp})")
+    elif experts and experts % ep:
+        out.append(f"num_experts {experts} is not a multiple of ep {ep}")
+    elif experts and ep == 1 and int(getattr(spec, "expert_ffn_hidden_size", 0)) % tp:
+        out.append(f"expert_ffn_hidden_size {getattr(spec, 'expert_ffn_hidden_size')} is not a multiple of tp {tp}")
     return out

@@ -249,6 +249,15 @@ CUDA_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    # mixture of experts: the router moves its weight to ``torch.cuda.current_device()`` at each
+    # forward; the dispatcher, the experts and the MoE utilities allocate on it
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    # sequence parallelism (MoE with TP): the scatter/gather buffers are allocated on the device
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
 )
 """The megatron-core modules with CUDA-only lines, 0.13 to 0.16 alike."""
 

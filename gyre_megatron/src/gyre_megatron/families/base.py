@@ -1,15 +1,15 @@
-"""What one dense decoder family's HF checkpoints hold beyond the shared layout."""
+"""What one decoder family's HF checkpoints hold beyond the shared layout."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["DenseFamily"]
+__all__ = ["DecoderFamily"]
 
 
 @dataclass(frozen=True)
-class DenseFamily:
+class DecoderFamily:
     model_type: str
     """``model_type`` in ``config.json``."""
     architecture: str
@@ -22,6 +22,9 @@ class DenseFamily:
     """Per-head RMSNorm of queries and keys before RoPE (``self_attn.q_norm``/``k_norm``)."""
     own_head_dim: bool = False
     """``config.json`` names ``head_dim``, which may differ from ``hidden_size / heads``."""
+    experts: bool = False
+    """Every MLP is a mixture of SwiGLU experts: a router (HF ``mlp.gate``, Megatron's
+    ``mlp.router``) picks ``num_experts_per_tok`` of ``mlp.experts.<e>`` per token."""
     refused: Mapping[str, str] = field(default_factory=dict)
     """``config.json`` switches the mapping cannot represent when set → what is supported instead."""
     config_fields: Callable[[Any], dict[str, Any]] = field(default=lambda spec: {})

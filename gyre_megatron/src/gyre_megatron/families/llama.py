@@ -4,9 +4,9 @@ Llama 3.1's scaled RoPE are refused."""
 
 from __future__ import annotations
 
-from gyre_megatron.families.base import DenseFamily
+from gyre_megatron.families.base import DecoderFamily
 
-FAMILY = DenseFamily(
+FAMILY = DecoderFamily(
     model_type="llama", architecture="LlamaForCausalLM", config_class="LlamaConfig", qkv_bias=False,
     own_head_dim=True,
     refused={"attention_bias": "attention without biases", "mlp_bias": "an MLP without biases"},

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gyre_megatron.families.base import DenseFamily
+from gyre_megatron.families.base import DecoderFamily
 
-FAMILY = DenseFamily(
+FAMILY = DecoderFamily(
     model_type="qwen2", architecture="Qwen2ForCausalLM", config_class="Qwen2Config", qkv_bias=True,
     refused={"use_sliding_window": "full attention"},
     config_fields=lambda spec: {"use_sliding_window": False},

@@ -5,9 +5,9 @@ and ``kv_channels`` are the same thing."""
 
 from __future__ import annotations
 
-from gyre_megatron.families.base import DenseFamily
+from gyre_megatron.families.base import DecoderFamily
 
-FAMILY = DenseFamily(
+FAMILY = DecoderFamily(
     model_type="qwen3", architecture="Qwen3ForCausalLM", config_class="Qwen3Config", qkv_bias=False,
     qk_norm=True, own_head_dim=True,
     refused={"use_sliding_window": "full attention", "attention_bias": "attention without biases"},
