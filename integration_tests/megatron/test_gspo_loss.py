@@ -1,9 +1,11 @@
 """The GSPO objective in Megatron equals the core's reference, on the real multi-process path.
 
-Real megatron-core ranks (gloo), PP = 1 and PP = 2, micro-steps streamed through the cell's
+Real megatron-core ranks (gloo), PP = 1 and PP = 2, and a mixture of experts (Qwen3-MoE, 6
+experts, 2 per token) at TP 2 × EP 2, sequence-parallel; micro-steps streamed through the cell's
 queue as the live run streams them. The reference is the core's own objective
-(:mod:`gyre_core.dataplane.objective`, batch-wide ratio sums) on HF transformers' Qwen2 holding
-the same weights (the export), in float64. Behaviour log-probs are the reference model's own
+(:mod:`gyre_core.dataplane.objective`, batch-wide ratio sums) on HF transformers' model holding
+the same weights (the export, or the MoE checkpoint), in float64: for the MoE that checks the
+router's and every expert's gradient on the expert-parallel ranks. Behaviour log-probs are the reference model's own
 minus a chosen offset per execution, so each execution's ratio ``s_e = exp(offset)`` is known:
 inside the bounds, above them, below them, and with one token past the importance-weight cap.
 
@@ -50,16 +52,41 @@ SPLIT = (0, 1, 2, 3)
 SPLIT_CLIPPED = 3
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
+@pytest.fixture(scope="module", params=["pp1", "pp2", "moe-tp2-ep2"])
 def world(request, tmp_path_factory):
     from gyre_megatron.export import load_hf_model, publish
+    from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import build_checkpoint
 
-    with World(RankOptions(cells=1, pp=request.param, normalise_by_tokens=False), n_queues=8) as w:
+    if request.param.startswith("moe"):
+        ckpt = tmp_path_factory.mktemp("moe")
+        build_checkpoint(ckpt, seed=31, family="qwen3_moe")
+        opts = RankOptions(cells=1, pp=1, tp=2, ep=2, spec=spec_from_hf_dir(ckpt), init_from=str(ckpt),
+                           normalise_by_tokens=False)
+    else:
+        opts = RankOptions(cells=1, pp=int(request.param[-1]), normalise_by_tokens=False)
+    with World(opts, n_queues=8) as w:
         ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
         hf = load_hf_model(ref.location).double()
         yield w, hf
+
+
+def _per_expert(grads: dict) -> dict:
+    """HF gradients under the checkpoint's names: transformers 5 holds each layer's experts fused
+    (``experts.gate_up_proj`` [E, 2·I, H], ``experts.down_proj`` [E, H, I])."""
+    out = {}
+    for n, g in grads.items():
+        if n.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(g, 2, axis=1)
+            out.update({f"{n[:-len('gate_up_proj')]}{e}.{proj}.weight": t[e]
+                        for e in range(g.shape[0]) for proj, t in (("gate_proj", gate), ("up_proj", up))})
+        elif n.endswith("mlp.experts.down_proj"):
+            out.update({f"{n[:-len('down_proj')]}{e}.down_proj.weight": g[e] for e in range(g.shape[0])})
+        else:
+            out[n] = g
+    return out
 
 
 def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig(),
@@ -80,7 +107,8 @@ def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig
     total = sum(sums)
     loss = sum(gspo_loss(lp, b, s if per_pack else total, config) for lp, b, s in zip(lps, batches, sums))
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().numpy().copy() for n, p in hf.named_parameters() if p.grad is not None}
+    return float(loss.detach()), _per_expert({n: p.grad.detach().numpy().copy() for n, p in hf.named_parameters()
+                                              if p.grad is not None})
 
 
 def _megatron(w, micro: list, queue: int) -> tuple[dict, dict]:
@@ -92,7 +120,7 @@ def _megatron(w, micro: list, queue: int) -> tuple[dict, dict]:
     q.close()
     res = w.wait(tk, 120)
     grads = {k: v for r in res for k, v in r["grads"].items()}
-    return grads, res[-1]["objective"]
+    return grads, next(r["objective"] for r in res if "objective" in r)  # the last stage, tensor rank 0
 
 
 def test_loss_and_gradients_equal_the_float64_reference(world) -> None:
@@ -103,7 +131,7 @@ def test_loss_and_gradients_equal_the_float64_reference(world) -> None:
     assert set(grads) == set(ref_grads)
     scale = max(float(np.abs(g).max()) for g in ref_grads.values())
     worst = max(float(np.abs(grads[n] - ref_grads[n]).max()) for n in ref_grads)
-    print(f"\nGSPO pp{w.opts.pp}: loss Megatron {fig['loss']:.9f} vs ref {ref_loss:.9f}; "
+    print(f"\nGSPO {w.opts.spec.family} tp{w.opts.tp} ep{w.opts.ep} pp{w.opts.pp}: loss Megatron {fig['loss']:.9f} vs ref {ref_loss:.9f}; "
           f"grad max|diff| {worst:.3g} of max|g| {scale:.3g}; figures {fig}")
     assert scale > 1e-4
     assert worst <= 1e-5 * scale, (worst, scale)

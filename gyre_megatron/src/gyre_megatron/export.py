@@ -190,8 +190,10 @@ def load_hf_model(path: str) -> torch.nn.Module:
     family = family_named(str(raw.get("model_type")))
     if family is None:
         raise KeyError(f"{path}: no supported family {raw.get('model_type')!r}")
+    # eager experts too: the grouped GEMM transformers picks by default has no float64 kernel
+    extra = {"experts_implementation": "eager"} if family.experts else {}
     model, info = getattr(transformers, family.architecture).from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True, **extra)
     missing, unexpected = list(info.get("missing_keys", [])), list(info.get("unexpected_keys", []))
     if unexpected or any("rotary" not in k for k in missing) or info.get("mismatched_keys"):
         raise KeyError(f"checkpoint does not fit {family.architecture}: missing {missing}, unexpected {unexpected}, "
