@@ -188,3 +188,27 @@ def test_a_model_that_cannot_split_over_tp_is_refused_by_size(tmp_path) -> None:
     assert "num_attention_heads" not in str(e.value)  # 6 heads split over 2
     with pytest.raises(ConfigError, match="num_key_value_heads 2 is not a multiple of training.tp 3"):
         load_run_config(None, {"model.dir": json.dumps(str(tmp_path)), "training.tp": "3"})
+
+
+def test_expert_parallelism_is_checked_against_the_model_before_anything_starts(tmp_path) -> None:
+    import json
+
+    moe = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+           "vocab_size": 160, "hidden_size": 48, "num_hidden_layers": 2, "num_local_experts": 6,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    model = {"model.dir": json.dumps(str(tmp_path))}
+    assert load_run_config(None, {**model, "training.tp": "2", "training.ep": "2"}).training.ep == 2
+    with pytest.raises(ConfigError, match=r"training.ep.*must be 1 or training.tp \(2\)"):
+        load_run_config(None, {**model, "training.tp": "2", "training.ep": "4"})
+    with pytest.raises(ConfigError, match="training.ep.*the tiny model is dense"):
+        load_run_config(None, {"training.tp": "2", "training.ep": "2"})
+    (tmp_path / "config.json").write_text(json.dumps({**moe, "num_local_experts": 5}))
+    with pytest.raises(ConfigError, match="training.ep.*num_experts 5 is not a multiple of training.ep 2"):
+        load_run_config(None, {**model, "training.tp": "2", "training.ep": "2"})
+    (tmp_path / "config.json").write_text(json.dumps({**moe, "moe_intermediate_size": 25}))
+    with pytest.raises(ConfigError, match="training.tp.*moe_intermediate_size 25"):  # each expert split over tp
+        load_run_config(None, {**model, "training.tp": "2"})
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in moe.items() if "expert" not in k}))
+    with pytest.raises(ConfigError, match="training.ep.*a dense model"):
+        load_run_config(None, {**model, "training.tp": "2", "training.ep": "2"})

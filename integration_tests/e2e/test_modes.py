@@ -15,8 +15,10 @@ Both: every finished execution is accounted for (trained, dropped, surplus, excl
 cancelled) and each step trains N·B executions.
 
 Each run also brings a model family of its own as the user's checkpoint (``model.dir``): Async a
-tiny Qwen3 (q/k norms, a head size of its own), Colocate a tiny Llama. Megatron imports it, SGLang
-serves each published version of it, and the summary names the family the run trained.
+tiny Qwen3-MoE (Qwen3's attention, 4 experts, 2 per token) on cells of TP 2 × EP 2 (each rank
+holds 2 experts; sequence-parallel), Colocate a tiny Llama. Megatron imports it, SGLang serves
+each published version of it (gathered from the expert-parallel ranks), and the kept checkpoint
+is of the family the run trained.
 """
 
 from __future__ import annotations
@@ -38,18 +40,18 @@ pytest.importorskip("megatron.core")
 N, B, STEPS = 4, 2, 2
 
 
-def _run(out: Path, mode: str, phi: float, mu: int, family: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _run(out: Path, mode: str, phi: float, mu: int, family: str, *extra: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from gyre_core.tiny_model import cached_tiny_model
 
     model = cached_tiny_model(family=family, hidden_size=64, num_layers=2, max_position_embeddings=2048)
     args = ["--set", f"model.dir={model}", "--set", f"scheduler.mode={mode}", "--set", f"scheduler.extra_dispatch={phi}",
             "--set", f"scheduler.steps_per_burst={mu}", "--set", f"scheduler.group_size={N}",
-            "--set", f"scheduler.groups_per_step={B}", "--set", "run.max_wall_s=420.0"]
+            "--set", f"scheduler.groups_per_step={B}", "--set", "run.max_wall_s=420.0", *extra]
     summary, _ = run_job(out, "--config", str(SMALL_JOB), "--steps", str(STEPS), *args, timeout=540)
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     # the family went all the way: the kept checkpoint is one (trained: not the starting weights)
     kept = json.loads((out / "checkpoint" / "config.json").read_text())
-    assert kept["model_type"] == family and kept["architectures"] == [{"qwen3": "Qwen3ForCausalLM",
+    assert kept["model_type"] == family and kept["architectures"] == [{"qwen3_moe": "Qwen3MoeForCausalLM",
                                                                        "llama": "LlamaForCausalLM"}[family]]
     return summary, events
 
@@ -65,7 +67,10 @@ def _check_accounting(summary: dict[str, Any]) -> None:
 
 def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
     phi, mu = 1.0, 1  # solve_burst("async", 1.0)
-    summary, events = _run(tmp_path / "async", "async", phi, mu, "qwen3")
+    summary, events = _run(tmp_path / "async", "async", phi, mu, "qwen3_moe",
+                           "--set", "training.tp=2", "--set", "training.ep=2")
+    # two cells of two ranks each (tensor and expert parallel)
+    assert sorted(p.name for p in (tmp_path / "async").glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     assert summary["mode"] == "async"
     _check_accounting(summary)
 

@@ -3,7 +3,9 @@
 The orchestrator (``cluster.launcher = "torchrun"``) spawns no training rank: it serves its
 control plane and waits; two torchrun agents (``--nnodes 2``, one rank each, as two nodes would
 run them) start ``gyre_megatron.worker``, whose ranks join, and the first rank of each cell starts
-that cell's SGLang server on its own "node". The job then runs as usual. Counts: the run trains
+that cell's SGLang server on its own "node". The ranks start from the user's checkpoint
+(``model.dir``, a tiny Qwen3: per-head q/k norms, a head size of its own) and the run keeps a Qwen3
+checkpoint. The job then runs as usual. Counts: the run trains
 its steps, every finished execution is accounted for (zero lost), both torchrun agents exit 0
 when the run ends, and no SGLang server is left behind.
 """
@@ -52,10 +54,13 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     key = tmp_path / "control.key"
     write_key(key)
     port = free_port()
+    from gyre_core.tiny_model import cached_tiny_model
+
+    model = cached_tiny_model(family="qwen3", hidden_size=64, num_layers=2, max_position_embeddings=2048)
     orch = subprocess.Popen(
         [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(SMALL_JOB), "--out", str(out), "--json-summary", "--steps", "2",
          "--set", 'cluster.launcher="torchrun"', "--set", f"cluster.control_port={port}",
-         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240"],
+         "--set", f'cluster.key_file="{key}"', "--set", "cluster.join_timeout_s=240", "--set", f"model.dir={model}"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "orchestrator.log", "wb"), text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
     )
@@ -98,5 +103,7 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     # the engines were started by the ranks (their logs are where the orchestrator asked)
     assert (out / "engine0.log").exists() and (out / "engine1.log").exists()
     assert codes == [0, 0]
+    kept = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert (kept["model_type"], kept["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
     time.sleep(1.0)
     assert _children_named([n.pid for n in nodes], "sglang.launch_server") == []

@@ -126,7 +126,8 @@ def build_tiny_model(
     Returns ``out_dir``. Deterministic for a given ``seed``. The saved directory loads with
     ``AutoTokenizer``/``AutoModelForCausalLM`` and is served by SGLang. ``family``: ``qwen2``
     (the default), ``qwen3`` (q/k norms, a head twice ``hidden / heads`` wide) or ``llama``
-    (no biases), to run the whole job on each family a user may bring.
+    (no biases) or ``qwen3_moe`` (Qwen3's attention, 4 experts of half the FFN width, 2 per
+    token), to run the whole job on each family a user may bring.
     """
     import torch
     import transformers
@@ -135,7 +136,10 @@ def build_tiny_model(
 
     families = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 2 * hidden_size // num_heads}),
-                "llama": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": hidden_size // num_heads})}
+                "llama": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": hidden_size // num_heads}),
+                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+                    "head_dim": 2 * hidden_size // num_heads, "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": intermediate_size // 2, "norm_topk_prob": True})}
     if family not in families:
         raise ValueError(f"family {family!r}: expected one of {sorted(families)}")
     config_class, model_class, own = families[family]

@@ -44,7 +44,8 @@ def _world_for(options: Mapping[str, Any]) -> Any:
             else:
                 spec = ModelSpec(**dict(options.get("model", {})))
             opts = RankOptions(
-                cells=int(options["cells"]), pp=int(options.get("pp", 1)), tp=int(options.get("tp", 1)), spec=spec,
+                cells=int(options["cells"]), pp=int(options.get("pp", 1)), tp=int(options.get("tp", 1)),
+                ep=int(options.get("ep", 1)), spec=spec,
                 precision=str(options.get("precision", "fp32")),
                 lr=float(options.get("lr", 1e-3)), clip_grad=float(options.get("clip_grad", 1.0)),
                 data_timeout_s=float(options.get("data_timeout_s", 60.0)),

@@ -277,7 +277,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     if len(tokenizer) % cfg.training.tp:
         raise ConfigError(f"training.tp: the tokenizer has {len(tokenizer)} tokens, not a multiple of "
                           f"training.tp {cfg.training.tp} (Megatron splits the vocabulary evenly)")
-    train_opts = {"cells": k, "pp": cfg.training.pp, "tp": cfg.training.tp, "precision": cfg.training.precision,
+    train_opts = {"cells": k, "pp": cfg.training.pp, "tp": cfg.training.tp, "ep": cfg.training.ep,
+                  "precision": cfg.training.precision,
                   "model": spec, "lr": cfg.training.lr,
                   "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
                   # one micro-step queue per step, plus the re-streams of steps that lost a cell

@@ -46,7 +46,7 @@ class RunSection:
 @dataclass
 class ModelSection:
     dir: str = ""
-    """A Hugging Face model directory (Qwen2, Qwen3 or Llama; safetensors) whose weights the
+    """A Hugging Face model directory (Qwen2, Qwen3, Llama or Qwen3-MoE; safetensors) whose weights the
     trainer and the engines start from, every size read from its ``config.json`` (the sizes below
     are then unused); a run's ``checkpoint/`` folder is one. Empty: build the tiny model from the
     sizes below."""
@@ -154,6 +154,10 @@ class TrainingSection:
     pp: int = 1
     tp: int = 1
     """Tensor-parallel width of each pipeline stage: a cell holds ``tp × pp`` ranks (GPUs)."""
+    ep: int = 1
+    """Expert-parallel width for a mixture-of-experts ``model.dir``, on the tensor-parallel ranks:
+    1 (every expert split over the ``tp`` ranks) or ``tp`` (each rank holds ``1/tp`` of the
+    experts whole)."""
     precision: str = "fp32"
     """``fp32``, or ``bf16`` parameters and activations with a float32 optimizer (needs CUDA)."""
     clip_grad: float = 1.0
@@ -400,6 +404,10 @@ class RunConfig:
         need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
         need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
         need(self.training.tp >= 1, "training.tp", "must be ≥ 1")
+        need(self.training.ep in (1, self.training.tp), "training.ep",
+             f"must be 1 or training.tp ({self.training.tp}): expert parallelism runs on the tensor-parallel ranks")
+        need(self.training.ep == 1 or bool(self.model.dir), "training.ep",
+             "needs a mixture-of-experts model.dir (the tiny model is dense)")
         need(self.training.precision in ("fp32", "bf16"), "training.precision", "must be \"fp32\" or \"bf16\"")
         need(self.training.clip_grad >= 0 and math.isfinite(self.training.clip_grad), "training.clip_grad",
              "must be ≥ 0 (0: no clipping)")
@@ -416,8 +424,9 @@ class RunConfig:
         if self.model.dir:
             need(Path(self.model.dir).is_dir(), "model.dir",
                  f"{self.model.dir} is not a directory (expected an HF model folder with config.json)")
-            for problem in tp_split_problems(Path(self.model.dir) / "config.json", self.training.tp):
-                need(False, "training.tp", problem)
+            for key, problem in tp_split_problems(Path(self.model.dir) / "config.json", self.training.tp,
+                                                  self.training.ep):
+                need(False, key, problem)
         else:  # the tiny model is built from these sizes (4 attention heads, 2 KV groups)
             need(self.model.hidden_size >= 8 and self.model.hidden_size % 4 == 0, "model.hidden_size",
                  "must be ≥ 8 and a multiple of 4 (the tiny model has 4 attention heads)")
@@ -594,17 +603,27 @@ def load_run_config(path: str | Path | None = None, overrides: Mapping[str, Any]
     return cfg.validate()
 
 
-def tp_split_problems(config_json: Path, tp: int) -> list[str]:
-    """Why an HF model's sizes cannot split evenly over ``tp`` tensor-parallel ranks (empty: they
-    can). Megatron divides attention heads, KV groups, the FFN width and the vocabulary."""
-    if tp == 1:
+def tp_split_problems(config_json: Path, tp: int, ep: int = 1) -> list[tuple[str, str]]:
+    """``(setting, why)`` for each way an HF model's sizes cannot split evenly over ``tp``
+    tensor-parallel and ``ep`` expert-parallel ranks (empty: they can). Megatron divides attention
+    heads, KV groups, the FFN width and the vocabulary over the tensor ranks; experts over the
+    expert ranks, or each expert's width over the tensor ranks when ``ep`` is 1."""
+    if tp == 1 and ep == 1:
         return []
     try:
         raw = json.loads(config_json.read_text())
     except (OSError, ValueError):
         return []  # the model check reports an unreadable config.json by itself
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
     sizes = {"num_attention_heads": raw.get("num_attention_heads"),
              "num_key_value_heads": raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
              "intermediate_size": raw.get("intermediate_size"), "vocab_size": raw.get("vocab_size")}
-    return [f"{config_json}: {k} {v} is not a multiple of training.tp {tp}"
-            for k, v in sizes.items() if isinstance(v, int) and v % tp]
+    if experts and ep == 1:
+        sizes["moe_intermediate_size"] = raw.get("moe_intermediate_size")
+    out = [("training.tp", f"{config_json}: {k} {v} is not a multiple of training.tp {tp}")
+           for k, v in sizes.items() if isinstance(v, int) and v % tp]
+    if ep > 1 and not isinstance(experts, int):
+        out.append(("training.ep", f"{config_json}: a dense model (no num_experts) has no experts to spread"))
+    elif ep > 1 and experts % ep:
+        out.append(("training.ep", f"{config_json}: num_experts {experts} is not a multiple of training.ep {ep}"))
+    return out
