@@ -12,7 +12,8 @@
 #   GYRE_GPU_SKIP_INSTALL=1              use the environment as it is
 #
 # What the group measures: a real model's training state and a SGLang engine taking turns on one
-# GPU across role switches (NVML per phase, each phase's time), bf16 with a float32 optimizer,
+# GPU across role switches (NVML per phase, each phase's time), bf16 with a float32 optimizer
+# and bf16 publication (Qwen3 and Qwen3-MoE layouts),
 # the offloader on device tensors, and the engine's memory saver.
 set -euo pipefail
 

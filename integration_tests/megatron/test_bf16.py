@@ -98,11 +98,13 @@ def test_leaving_training_releases_the_master_weights_too(measured) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_bf16_training_publishes_bf16(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_bf16_training_publishes_bf16(tmp_path, family: str) -> None:
     """bf16 training serves bf16: the core's part of a publication is registered in the
     parameters' dtype (half a float32 export's bytes), pulled whole by an engine's puller, and a
     written version says bfloat16 in its config; on a Qwen3-layout model (q/k norms, a head size
-    of its own), the newest family."""
+    of its own) and on its mixture of experts (4 experts, 2 per token: router and experts
+    published under the checkpoint's names)."""
     import json
 
     from gyre_core.published_weights import WeightPuller
@@ -112,8 +114,9 @@ def test_bf16_training_publishes_bf16(tmp_path) -> None:
     from gyre_megatron.runtime import RankOptions
     from gyre_megatron.testing import read_weights
 
-    spec = ModelSpec(hidden_size=64, ffn_hidden_size=128, num_layers=2, vocab_size=128, family="qwen3",
-                     qkv_bias=False, qk_norm=True, head_dim=32)
+    experts = {"num_experts": 4, "experts_per_token": 2, "expert_ffn_hidden_size": 64} if family == "qwen3_moe" else {}
+    spec = ModelSpec(hidden_size=64, ffn_hidden_size=128, num_layers=2, vocab_size=128, family=family,
+                     qkv_bias=False, qk_norm=True, head_dim=32, **experts)
     with World(RankOptions(cells=1, pp=1, spec=spec, precision="bf16"), n_queues=1) as w:
         ref = publish(w, {"publication": "mooncake"}, 1)
         puller = WeightPuller("127.0.0.1")
@@ -124,6 +127,7 @@ def test_bf16_training_publishes_bf16(tmp_path) -> None:
         params = gather_serving_tensors(w)  # the same parameters, as float32
         folder = write(w, 1, tmp_path / "v1").location
     assert set(pulled) == set(params) and any(n.endswith("q_norm.weight") for n in pulled)
+    assert any(n.endswith("mlp.experts.3.down_proj.weight") for n in pulled) == bool(experts)
     assert all(t.dtype == torch.bfloat16 for t in pulled.values())
     assert all(torch.equal(pulled[n].float(), params[n]) for n in params)
     assert json.loads((tmp_path / "v1" / "config.json").read_text())["torch_dtype"] == "bfloat16"
