@@ -1,5 +1,16 @@
-"""Does a live run learn? ``gyre-orchestrate run`` on the built-in ``digits`` task, next to a control.
+"""Does a live run learn? ``gyre-orchestrate run`` next to a shuffled-reward control.
 
+``--task lookup`` (the default): the two-turn ``lookup`` task (``benchmarks/lookup/``: the prompt
+names an entry, a tool result holds its code, the answer must repeat it), from the warm-started
+checkpoint ``benchmarks/lookup/warm_start.py`` makes, for each of ``--seeds``: a **real** run and a
+**control** run whose training rewards are shuffled across executions (evaluations keep the true
+reward). The measure is the held-out pass rate (64 eval records, never trained on) before
+training and every ``[eval] interval`` steps; per seed the rise is the last evaluation's pass rate
+minus the first's. Reported: each run's curve, the mean rise of each arm with its 95% confidence
+interval across seeds (Student's t), and the paired difference real − control with its interval:
+**learns** when that interval lies above zero.
+
+``--task digits`` (the older check):
 Two live runs with the same seed and settings (real Megatron cells, SGLang engines, proxy, one
 ``reply`` harness process per execution), each for ``--steps`` steps:
 
@@ -14,7 +25,8 @@ the first 5) of the real run exceeds the control's rise by more than two standar
 difference of the two rises (each rise's standard error from its 10 step means). Prints one JSON
 object.
 
-    python benchmarks/learning_curve.py [--steps 20] [--lr 1e-2] [--out runs/learning]
+    python benchmarks/learning_curve.py [--task lookup] [--seeds 0,1,2] [--steps 20] [--out runs/learning]
+    python benchmarks/learning_curve.py --task digits [--steps 20] [--lr 1e-2]
 """
 
 from __future__ import annotations
@@ -34,25 +46,100 @@ from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
 
 class ShuffledRewards:
     """Control evaluator (called before the task's own): a valid reward drawn from the pool of the
-    last ``pool`` true rewards (this execution's included); the true one is kept for the curve."""
+    last ``pool`` true rewards (this execution's included); the true one is kept for the curve.
+    Training executions only (``<out>/executions/``): held-out evaluations keep their true reward."""
 
-    def __init__(self, pool: int, seed: int) -> None:
+    def __init__(self, pool: int, seed: int, task: str = "digits") -> None:
         self.pool: list[float] = []
         self.size = pool
         self.rng = random.Random(seed)
+        self.task = task
         self.true: dict[int, float] = {}
 
-    @hookimpl
-    def gyre_evaluate(self, spec: ExecutionSpec, state: StateRef) -> Assessment | None:
+    def _true_score(self, spec: ExecutionSpec) -> float | None:
+        if self.task == "lookup":
+            sys.path.insert(0, str(LOOKUP))
+            from reward import score  # benchmarks/lookup/reward.py
+
+            return score(spec.extra["record"], spec.workdir, spec.extra)
         from gyre_core.tasks.digits import score_workspace
 
         try:
-            score, _ = score_workspace(spec.workdir)
+            return score_workspace(spec.workdir)[0]
         except OSError:
+            return None
+
+    @hookimpl
+    def gyre_evaluate(self, spec: ExecutionSpec, state: StateRef) -> Assessment | None:
+        if Path(spec.workdir).parent.name != "executions":
+            return None  # an evaluation: the task's own reward
+        score = self._true_score(spec)
+        if score is None:
             return None  # the task's evaluator reports it unresolved
         self.true[spec.execution_id] = score
         self.pool = (self.pool + [score])[-self.size:]
         return Assessment.valid(self.rng.choice(self.pool), state, "shuffled")
+
+
+LOOKUP = Path(__file__).parent / "lookup"
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Student's t, two-sided 95%, by degrees of freedom."""
+
+
+def mean_ci(xs: list[float]) -> dict[str, float]:
+    """Mean and the half-width of its 95% confidence interval (Student's t over ``len(xs) − 1``)."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return {"mean": round(m, 4), "ci95": float("nan"), "n": len(xs)}
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return {"mean": round(m, 4), "ci95": round(T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)), 4), "n": len(xs)}
+
+
+def warm_start(model: Path, seed: int) -> dict[str, Any]:
+    """The warm-started checkpoint (built once: ``benchmarks/lookup/warm_start.py``)."""
+    import subprocess
+
+    stats = model / "warm_start.json"
+    if not stats.exists():
+        proc = subprocess.run([sys.executable, str(LOOKUP / "warm_start.py"), "--out", str(model), "--seed", str(seed)],
+                              capture_output=True, text=True, check=True)
+        stats.write_text(proc.stdout.strip().splitlines()[-1])
+    return dict(json.loads(stats.read_text()))
+
+
+def run_lookup(kind: str, seed: int, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the lookup job (``benchmarks/lookup/job.toml``) from ``model``."""
+    from gyre_core.orchestrator.embedded import run_live
+    from gyre_core.orchestrator.run_config import load_run_config
+
+    out = Path(args.out) / f"{kind}-seed{seed}"
+    overrides: dict[str, Any] = {"run.out_dir": json.dumps(str(out)), "run.steps": args.steps, "run.seed": seed,
+                                 "model.dir": json.dumps(str(model)), "run.max_wall_s": 3600}
+    if args.lr is not None:
+        overrides["training.lr"] = args.lr
+    cfg = load_run_config(str(LOOKUP / "job.toml"), overrides)
+    plugins = [ShuffledRewards(args.pool, seed, "lookup")] if kind == "control" else []
+    t0 = time.monotonic()
+    summary = run_live(cfg, lambda m: None, plugins=plugins)
+    evals = [(e["policy_version"], e["pass_rate"]) for e in summary["evaluations"]]
+    return {"eval_pass_rate": evals, "rise": round(evals[-1][1] - evals[0][1], 4),
+            "train_reward_per_step": summary["rewards"], "lr": cfg.training.lr,
+            "clip_fraction": [r["clip_fraction"] for r in summary["step_records"]],
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def lookup_main(args: argparse.Namespace) -> dict[str, Any]:
+    model = Path(args.model or Path(args.out) / "warm-start")
+    start = warm_start(model, 0)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = {kind: {s: run_lookup(kind, s, model, args) for s in seeds} for kind in ("real", "control")}
+    real = [runs["real"][s]["rise"] for s in seeds]
+    control = [runs["control"][s]["rise"] for s in seeds]
+    diff = mean_ci([r - c for r, c in zip(real, control)])
+    return {"benchmark": "learning_curve", "task": "lookup", "steps": args.steps, "seeds": seeds,
+            "warm_start": {k: start[k] for k in ("pass_rate", "steps", "hidden", "layers", "lr", "seconds")},
+            "runs": runs, "real_rise": mean_ci(real), "control_rise": mean_ci(control),
+            "real_minus_control": diff, "learns": diff["mean"] - diff["ci95"] > 0}
 
 
 def _true_rewards_per_step(summary: dict[str, Any], orch: Any, out: Path) -> list[float]:
@@ -102,13 +189,21 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", choices=("lookup", "digits"), default="lookup")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=None, help="default: the job's (lookup 1e-4), 1e-2 for digits")
+    ap.add_argument("--seed", type=int, default=0, help="digits: the one seed")
+    ap.add_argument("--seeds", default="0,1,2", help="lookup: the seeds, each a real and a control run")
+    ap.add_argument("--model", default=None, help="lookup: the warm-started model.dir (default: built under --out)")
     ap.add_argument("--pool", type=int, default=32)
     ap.add_argument("--config", default=None, help="a run config to start from (default: the embedded job)")
     ap.add_argument("--out", default=f"runs/learning-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args()
+    if args.task == "lookup":
+        print(json.dumps(lookup_main(args)))
+        return 0
+    if args.lr is None:
+        args.lr = 1e-2
     if args.steps < 10:
         ap.error("--steps must be ≥ 10 (first 5 against last 5)")
     real = run("real", args)

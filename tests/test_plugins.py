@@ -234,13 +234,15 @@ def test_every_hookspec_is_documented_and_marked() -> None:
         "gyre_on_event",
         "gyre_on_metrics",
         "gyre_preflight",
+        "gyre_shutdown",
     }
     marker = f"{hookspecs.PROJECT_NAME}_spec"
     for name, fn in specs.items():
         assert (fn.__doc__ or "").strip(), f"{name} has no docstring"
         assert hasattr(fn, marker), f"{name} is not a hookspec"
         firstresult = getattr(fn, marker)["firstresult"]
-        assert firstresult == (name not in {"gyre_plugin_info", "gyre_on_event", "gyre_on_metrics", "gyre_preflight"}), name
+        assert firstresult == (name not in {"gyre_plugin_info", "gyre_on_event", "gyre_on_metrics", "gyre_preflight",
+                                           "gyre_shutdown"}), name
         assert ("firstresult" if firstresult else "Broadcast") in fn.__doc__, name
 
 
@@ -296,3 +298,25 @@ def test_importing_gyre_core_does_not_import_backends() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"gyre_core imported backends: {out.stdout.strip()}"
+
+
+def test_the_proxy_command_gets_engine_clients_from_the_serving_plugin() -> None:
+    """``gyre-orchestrate proxy --engine URL`` asks the installed plugins for its engine clients
+    (the core imports no backend); without a serving plugin it says which one to install."""
+    import pluggy
+
+    from gyre_core.cli import _engine_clients
+    from gyre_core.config import ConfigError
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    with pytest.raises(ConfigError, match="gyre-sglang"):
+        _engine_clients(pm, ["http://127.0.0.1:9"])
+
+    class Serving:
+        @hookspecs.hookimpl
+        def gyre_make_engine_client(self, url, options):
+            return ("client", url)
+
+    pm.register(Serving())
+    assert _engine_clients(pm, ["http://a:1", "http://b:2"]) == [("client", "http://a:1"), ("client", "http://b:2")]

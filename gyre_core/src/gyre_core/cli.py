@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from gyre_core.config import ConfigError, Mode, SchedulerConfig
 from gyre_core.scheduler.burst import solve_burst
@@ -301,11 +301,11 @@ def _proxy(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port: expected 1..65535, got {args.port}")
     if not args.model_dir.is_dir():
         raise ConfigError(f"--model-dir: {args.model_dir} is not a directory")
-    clients = _engine_clients(args.engine)
+    pm = plugin_manager()
+    clients = _engine_clients(pm, args.engine)
     names = tuple(args.model_name or [args.model_dir.resolve().name])
     config = ProxyConfig(served_models=names, max_new_tokens=args.max_new_tokens,
                          sampling={"temperature": args.temperature, "top_p": args.top_p})
-    pm = plugin_manager()
     service = ProxyService(ChatRenderer.from_model_dir(args.model_dir), config,
                            classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
     for client in clients:
@@ -324,15 +324,13 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_clients(urls: Sequence[str]) -> list:
-    """Engine clients through the installed serving plugin (the core does not import SGLang)."""
-    try:
-        from importlib import import_module
-
-        client_cls = import_module("gyre_sglang.client").SGLangClient
-    except ImportError as exc:
-        raise ConfigError(f"--engine needs gyre-sglang installed ({exc})") from None
-    return [client_cls(u) for u in urls]
+def _engine_clients(pm: Any, urls: Sequence[str]) -> list:
+    """Engine clients from the installed serving plugin (``gyre_make_engine_client``): the core
+    does not import SGLang."""
+    clients = [pm.hook.gyre_make_engine_client(url=u, options={}) for u in urls]
+    if any(c is None for c in clients):
+        raise ConfigError("--engine needs a serving plugin (pip install gyre-sglang)")
+    return clients
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:

@@ -194,6 +194,16 @@ def gyre_on_metrics(step: int, metrics: Mapping[str, float]) -> None:
 
 
 @hookspec
+def gyre_shutdown() -> None:
+    """The run is over: stop what this plugin keeps for the whole process. Broadcast.
+
+    Called once by ``gyre-orchestrate run`` as it exits, after the engines were stopped, whether
+    the run finished or failed. ``gyre-megatron`` stops the rank processes it keeps per
+    configuration (a training side is made per cell, the ranks are shared). Must not raise.
+    """
+
+
+@hookspec
 def gyre_preflight(config: Mapping[str, Any]) -> list[str] | None:
     """Say what this plugin's part of a run would fail to load, before anything starts. Broadcast.
 

@@ -37,6 +37,16 @@ def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> Any:
 
 
 @hookimpl
+def gyre_shutdown() -> None:
+    """Stop the rank worlds the training sides share (nothing to do when none was started)."""
+    import sys
+
+    side = sys.modules.get("gyre_megatron.side")  # never imported: no world was started
+    if side is not None:
+        side.shutdown_worlds()
+
+
+@hookimpl
 def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
     """What the training side of ``config`` would fail to load: megatron-core, and Mooncake's
     transfer engine wherever a satellite can join (it pulls the core's weights over it)."""

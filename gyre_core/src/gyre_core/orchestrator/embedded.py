@@ -252,10 +252,8 @@ def run_live(
         for e in engines:
             with contextlib.suppress(Exception):
                 e.stop()
-        with contextlib.suppress(ImportError):
-            from gyre_megatron.side import shutdown_worlds
-
-            shutdown_worlds()
+        with contextlib.suppress(Exception):  # each plugin stops what it keeps for the process (ranks)
+            pm.hook.gyre_shutdown()
         quiet.close()
 
 
