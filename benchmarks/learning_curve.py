@@ -86,11 +86,12 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 """Student's t, two-sided 95%, by degrees of freedom."""
 
 
-def mean_ci(xs: list[float]) -> dict[str, float]:
-    """Mean and the half-width of its 95% confidence interval (Student's t over ``len(xs) − 1``)."""
+def mean_ci(xs: list[float]) -> dict[str, Any]:
+    """Mean and the half-width of its 95% confidence interval (Student's t over ``len(xs) − 1``;
+    ``None`` with one seed)."""
     m = sum(xs) / len(xs)
     if len(xs) < 2:
-        return {"mean": round(m, 4), "ci95": float("nan"), "n": len(xs)}
+        return {"mean": round(m, 4), "ci95": None, "n": len(xs)}
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
     return {"mean": round(m, 4), "ci95": round(T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)), 4), "n": len(xs)}
 
@@ -139,7 +140,7 @@ def lookup_main(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "learning_curve", "task": "lookup", "steps": args.steps, "seeds": seeds,
             "warm_start": {k: start[k] for k in ("pass_rate", "steps", "hidden", "layers", "lr", "seconds")},
             "runs": runs, "real_rise": mean_ci(real), "control_rise": mean_ci(control),
-            "real_minus_control": diff, "learns": diff["mean"] - diff["ci95"] > 0}
+            "real_minus_control": diff, "learns": diff["ci95"] is not None and diff["mean"] - diff["ci95"] > 0}
 
 
 def _true_rewards_per_step(summary: dict[str, Any], orch: Any, out: Path) -> list[float]:
