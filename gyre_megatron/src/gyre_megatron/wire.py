@@ -61,7 +61,7 @@ def wire_types() -> dict[str, type]:
     from gyre_core.interfaces import RoleClass
     from gyre_core.trajectory import TrajectoryRow
     from gyre_megatron.model import ModelSpec
-    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.rank_options import RankOptions
 
     return {c.__name__: c for c in (RankOptions, ModelSpec, MicroStep, Pack, TrainingRow, TrajectoryRow, RoleClass)}
 

@@ -31,7 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gyre_core.config import Mode, SchedulerConfig, ShortGroupRule
-from gyre_core.scheduler import events as ev
+import gyre_core.scheduler.events as ev
 from gyre_core.scheduler.events import STANDALONE, Outcome, Role
 
 
