@@ -62,7 +62,11 @@ def test_a_run_learns_the_digits_task_and_a_later_run_starts_from_its_checkpoint
     out1 = tmp_path / "run1"
     s1 = run_live(load_run_config(SMALL_JOB, {**common, "run.out_dir": str(out1), "run.steps": 16}), lambda m: None)
     assert s1["status"] == "ok" and s1["steps"] == 16
-    assert all(r["tokens"] > 0 and r["grad_norm"] > 0 for r in s1["step_records"])
+    assert all(r["tokens"] > 0 for r in s1["step_records"]), s1["step_records"]
+    # every step moved the policy, except one whose executions all scored alike: a policy that has
+    # learned the task (every reply all digits, reward 1) gets zero advantages, hence no gradient
+    assert all(r["grad_norm"] > 0 or r["mean_reward"] in (0.0, 1.0) for r in s1["step_records"]), [
+        (r["step"], r["mean_reward"], r["grad_norm"]) for r in s1["step_records"]]
 
     prompt = DigitsInstance(0).prompt
     before, se_b = _mean_se(_sample_scores(out1 / "weights" / "v0", out1 / "tokenizer-src", prompt))

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from gyre_core.interfaces import WeightsRef
-from gyre_core.transfer_endpoint import HOST_ENV, MooncakeEndpoint, start_transfer_engine
+from gyre_core.transfer_endpoint import HOST_ENV, MooncakeEndpoint, MooncakeError, Registrations, read, start_transfer_engine
 
 __all__ = [
     "FORMAT",
@@ -201,13 +201,21 @@ class _Published:
 
 
 class _MooncakeSide:
-    """One lazily created Mooncake engine (init takes milliseconds; many processes never need one)."""
+    """One lazily created Mooncake engine (init takes milliseconds; many processes never need one)
+    and the memory registered with it."""
 
     def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
         self.endpoint = _endpoint(host)
         self.host = self.endpoint.host
         self._engine: Any = None
+        self._memory = Registrations(lambda: self.engine)
         self._lock = threading.Lock()
+
+    def _register(self, addr: int, nbytes: int, what: str) -> None:
+        try:
+            self._memory.register(addr, nbytes)
+        except MooncakeError as e:
+            raise PublicationError(f"{e} for {what}") from None
 
     @property
     def engine(self) -> Any:
@@ -267,8 +275,7 @@ class WeightPublisher(_MooncakeSide):
                     buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype).view(e.shape).copy_(t.detach())
             buf[off:].copy_(torch.frombuffer(bytearray(manifest), dtype=torch.uint8))
             addr = buf.data_ptr()
-            if self.engine.register_memory(addr, total) != 0:
-                raise PublicationError(f"Mooncake register_memory failed ({total} bytes)")
+            self._register(addr, total, f"version {version}")
             loc = Location(version, self.session, addr, total, off, len(manifest), _crc32(buf, total), partial)
             self._published[version] = _Published(buf, loc)
             return WeightsRef(version=version, location=loc.to_json())
@@ -294,8 +301,8 @@ class WeightPublisher(_MooncakeSide):
         """Stop exposing ``version`` (engines that have not pulled it yet will fail cleanly)."""
         with self._lock:
             p = self._published.pop(version, None)
-            if p is not None and self._engine is not None:
-                self._engine.unregister_memory(p.location.addr)
+            if p is not None:
+                self._memory.unregister(p.location.addr)
 
     def release_older_than(self, version: int) -> None:
         for v in [v for v in self._published if v < version]:
@@ -370,11 +377,10 @@ class WeightPuller(_MooncakeSide):
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
             if self._staging is not None:
-                self.engine.unregister_memory(self._staging.data_ptr())
+                self._memory.unregister(self._staging.data_ptr())
                 self._staging = None
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            if self.engine.register_memory(buf.data_ptr(), nbytes) != 0:
-                raise PublicationError(f"Mooncake register_memory failed for the staging buffer ({nbytes} bytes)")
+            self._register(buf.data_ptr(), nbytes, "the staging buffer")
             self._staging = buf
         return self._staging
 
@@ -391,7 +397,7 @@ class WeightPuller(_MooncakeSide):
             entries: list[ManifestEntry] = []
             t0 = time.perf_counter()
             for loc, base in zip(locs, starts):
-                rc = self.engine.transfer_sync_read(loc.session, staging.data_ptr() + base, loc.addr, loc.nbytes)
+                rc = read(self.engine, loc.session, [staging.data_ptr() + base], [loc.addr], [loc.nbytes])
                 if rc != 0:
                     raise PublicationError(
                         f"Mooncake read of version {loc.version} from {loc.session} failed (rc={rc}): "
@@ -411,7 +417,6 @@ class WeightPuller(_MooncakeSide):
             return PulledWeights(locs[0].version, entries, partial, staging[:total], pull_s)
 
     def close(self) -> None:
-        if self._staging is not None and self._engine is not None:
-            self._engine.unregister_memory(self._staging.data_ptr())
+        self._memory.release_all()
         self._staging = None
         self._engine = None

@@ -1,4 +1,4 @@
-"""Where a process's Mooncake Transfer Engine listens, and over which protocol.
+"""Gyre's one Mooncake helper: where a process's Transfer Engine listens, and the calls made on it.
 
 Three kinds of process open a Mooncake engine in a run: the orchestrator (it registers each
 published policy version), every training rank (the core exposes its parameters to satellites that
@@ -9,6 +9,12 @@ advertise an address of its own node that the others reach -- never a loopback i
 The endpoint travels to child processes as three environment variables (:data:`HOST_ENV`,
 :data:`PROTOCOL_ENV`, :data:`DEVICE_ENV`); :func:`advertised_host` finds a node's address when none
 is configured. Mooncake itself is imported only when an engine is started.
+
+Every Mooncake call Gyre makes goes through here: :func:`start_transfer_engine`,
+:class:`Registrations` (memory registered with an engine, each region once, every one released)
+and :func:`read` (one-sided reads). The satellite pull (``gyre_megatron.transfer``), the weight
+publication (:mod:`gyre_core.published_weights`) and the KV hand-off (``gyre_sglang``'s server
+plugin) use them.
 """
 
 from __future__ import annotations
@@ -16,10 +22,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["ADVERTISE_ENV", "DEVICE_ENV", "HOST_ENV", "PROTOCOLS", "PROTOCOL_ENV", "WILDCARDS", "MooncakeEndpoint", "advertised_host",
-           "start_transfer_engine"]
+__all__ = ["ADVERTISE_ENV", "DEVICE_ENV", "HOST_ENV", "PROTOCOLS", "PROTOCOL_ENV", "WILDCARDS", "MooncakeEndpoint",
+           "MooncakeError", "Registrations", "advertised_host", "read", "start_transfer_engine"]
 
 HOST_ENV = "GYRE_MOONCAKE_HOST"
 """The address this node's Mooncake engines advertise (set it per node where the automatic one is wrong)."""
@@ -113,3 +119,46 @@ def start_transfer_engine(endpoint: MooncakeEndpoint) -> Any:
         raise RuntimeError(f"Mooncake TransferEngine.initialize({endpoint.host!r}, {endpoint.protocol!r}) failed ({rc})"
                            + (f": {said}" if said else ""))
     return engine
+
+
+class MooncakeError(RuntimeError):
+    """A Mooncake call failed; the message names the call and its return code."""
+
+
+class Registrations:
+    """The memory regions registered with one process's Mooncake engine.
+
+    A region is registered once however often it is exposed, and :meth:`release_all` unregisters
+    every one (storages may move: an offload round trip, a resized buffer). ``engine`` is called
+    for the engine when one is needed, so a process that never registers never starts one.
+    """
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self._engine = engine
+        self._regions: dict[int, int] = {}
+
+    def __contains__(self, addr: int) -> bool:
+        return addr in self._regions
+
+    def register(self, addr: int, nbytes: int) -> None:
+        if addr in self._regions:
+            return
+        rc = self._engine().register_memory(addr, nbytes)
+        if rc != 0:
+            raise MooncakeError(f"Mooncake register_memory failed at {addr:#x} ({nbytes} bytes, rc={rc})")
+        self._regions[addr] = nbytes
+
+    def unregister(self, addr: int) -> None:
+        if self._regions.pop(addr, None) is not None:
+            self._engine().unregister_memory(addr)
+
+    def release_all(self) -> None:
+        for addr in list(self._regions):
+            self.unregister(addr)
+
+
+def read(engine: Any, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> int:
+    """One-sided reads from the peer engine at ``session`` (``host:rpc_port``): ``lengths[i]``
+    bytes at its address ``remote[i]`` into this process's registered ``local[i]``. Returns
+    Mooncake's code, 0 when every byte arrived (callers say what a failure means for them)."""
+    return int(engine.batch_transfer_sync_read(session, list(local), list(remote), list(lengths)))

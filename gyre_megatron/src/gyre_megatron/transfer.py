@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gyre_core.transfer_endpoint import MooncakeEndpoint, start_transfer_engine
+from gyre_core.transfer_endpoint import MooncakeEndpoint, Registrations, read, start_transfer_engine
 
 __all__ = ["Exposure", "WeightTransport", "checksum"]
 
@@ -49,7 +49,7 @@ class WeightTransport:
         self.store = store
         self.endpoint = endpoint or MooncakeEndpoint()
         self._engine: Any = None
-        self._registered: set[int] = set()
+        self._registered = Registrations(lambda: self.engine)
         self._staged: list[torch.Tensor] = []
         """Pinned host copies of exposed device tensors (kept until :meth:`release`)."""
         self.last_peer = ""
@@ -67,18 +67,12 @@ class WeightTransport:
 
     def _register(self, t: torch.Tensor) -> tuple[int, int]:
         addr, n = t.data_ptr(), t.numel() * t.element_size()
-        if addr not in self._registered:
-            if self.engine.register_memory(addr, n) != 0:
-                raise RuntimeError(f"Mooncake register_memory failed at {addr:#x} ({n} bytes)")
-            self._registered.add(addr)
+        self._registered.register(addr, n)
         return addr, n
 
     def release(self) -> None:
         """Unregister everything (storages may move, e.g. after an offload round trip)."""
-        if self._engine is not None:
-            for addr in self._registered:
-                self._engine.unregister_memory(addr)
-        self._registered.clear()
+        self._registered.release_all()
         self._staged = []
 
     def expose(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -105,9 +99,7 @@ class WeightTransport:
         for (la, ln), (ra, rn) in zip(local, meta["bufs"]):
             if ln != rn:
                 raise RuntimeError(f"{key}: size mismatch {ln} vs {rn}")
-        rc = self.engine.batch_transfer_sync_read(
-            meta["peer"], [a for a, _ in local], [a for a, _ in meta["bufs"]], [n for _, n in local]
-        )
+        rc = read(self.engine, meta["peer"], [a for a, _ in local], [a for a, _ in meta["bufs"]], [n for _, n in local])
         if rc != 0:
             raise RuntimeError(f"Mooncake read from {meta['peer']} failed ({rc})")
         self.last_peer = str(meta["peer"])
@@ -118,8 +110,7 @@ class WeightTransport:
             for t, h in zip(targets, tensors):
                 t.copy_(h)
             for a, _ in local:  # the host buffers die here: their registration with them
-                self.engine.unregister_memory(a)
-                self._registered.discard(a)
+                self._registered.unregister(a)
         return sum(n for _, n in local), time.monotonic() - t0
 
 

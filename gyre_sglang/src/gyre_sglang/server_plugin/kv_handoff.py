@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_core.transfer_endpoint import read
 from gyre_sglang.server_plugin import kv_channel
 
 try:  # at module level: FastAPI resolves the routes' string annotations in this module's globals
@@ -502,7 +503,7 @@ def _op_import_start(s: Any, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         ret = 0
         for lo, re_, ln in _batches(local, remote, lens, TRANSFER_BATCH):
-            ret = int(engine.engine.batch_transfer_sync_read(session, lo, re_, ln))
+            ret = read(engine.engine, session, lo, re_, ln)
             if ret != 0:
                 break
         imp.transfer_s = time.perf_counter() - t0
