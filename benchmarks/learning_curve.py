@@ -58,10 +58,7 @@ class ShuffledRewards:
 
     def _true_score(self, spec: ExecutionSpec) -> float | None:
         if self.task == "lookup":
-            sys.path.insert(0, str(LOOKUP))
-            from reward import score  # benchmarks/lookup/reward.py
-
-            return score(spec.extra["record"], spec.workdir, spec.extra)
+            return _lookup_reward()(spec.extra["record"], spec.workdir, spec.extra)
         from gyre_core.tasks.digits import score_workspace
 
         try:
@@ -84,6 +81,15 @@ class ShuffledRewards:
 LOOKUP = Path(__file__).parent / "lookup"
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 """Student's t, two-sided 95%, by degrees of freedom."""
+
+
+def _lookup_reward() -> Any:
+    """``benchmarks/lookup/reward.py:score`` (imported once; the folder is not a package)."""
+    if str(LOOKUP) not in sys.path:
+        sys.path.insert(0, str(LOOKUP))
+    from reward import score
+
+    return score
 
 
 def mean_ci(xs: list[float]) -> dict[str, Any]:
