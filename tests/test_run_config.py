@@ -176,6 +176,15 @@ def test_replay_settings_are_checked_before_anything_runs(tmp_path) -> None:
         load_run_config(None, {**base, "harness.trace": f'"{bad}"'})
 
 
+def test_a_paced_run_takes_its_durations_from_a_trace_that_is_checked_first(tmp_path) -> None:
+    base = {"harness.kind": '"command"', "harness.command": '["true"]', "harness.paced": "true"}
+    assert load_run_config(None, base).harness.paced is True
+    with pytest.raises(ConfigError, match="harness.paced.*replay harness"):
+        load_run_config(None, {"harness.kind": '"replay"', "task.name": '"digits"', "harness.paced": "true"})
+    with pytest.raises(ConfigError, match="harness.trace"):
+        load_run_config(None, {**base, "harness.trace": f'"{tmp_path / "missing.jsonl"}"'})
+
+
 def test_a_model_that_cannot_split_over_tp_is_refused_by_size(tmp_path) -> None:
     import json
 

@@ -122,8 +122,9 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self._execs: dict[int, _Execution] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         self.replay_plan: Any = None
-        """``harness.kind = "replay"``: which recorded execution each execution replays."""
-        if cfg.harness.kind == "replay":
+        """``harness.kind = "replay"`` or ``harness.paced``: which recorded execution each execution
+        replays (or takes its duration from)."""
+        if cfg.harness.kind == "replay" or cfg.harness.paced:
             from gyre_core.orchestrator.replay_plan import ReplayPlan
 
             self.replay_plan = ReplayPlan.from_config(cfg.harness.trace, cfg.harness.time_scale, cfg.run.seed,

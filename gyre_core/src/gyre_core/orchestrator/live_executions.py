@@ -146,6 +146,10 @@ class ExecutionsMixin:
             extra["replay"]["calls"] = self.cfg.harness.replay_calls
             extra["replay"]["context_tokens"] = min(extra["replay"]["context_tokens"], self._replay_context_cap())
             extra["replay"]["tokens_per_word"] = self._replay_tokens_per_word()
+        elif self.cfg.harness.paced:  # the recorded duration, for the harness to wait out
+            members = self._group_members(cmd.group_id)
+            pace = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id), len(members))
+            extra["env"] = {**dict(extra.get("env") or {}), "GYRE_PACE_S": repr(pace.duration_s)}
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(workdir), proxy_base_url=self.proxy_url, api_key=key,
             harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,

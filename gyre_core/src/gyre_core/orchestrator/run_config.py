@@ -131,6 +131,11 @@ class HarnessSection:
     """``replay``: context tokens per recorded token (the trace's ``tokens``): the tool results
     grow each replay's context to that many tokens, capped to fit ``dataplane.token_budget``, so a
     step trains on contexts in proportion to the recording's. 0: one-line tool results."""
+    paced: bool = False
+    """Any other harness kind: give each training execution the scaled duration of the recorded
+    execution the trace assigns it (``trace`` and ``time_scale``, drawn as for ``replay``) in
+    ``GYRE_PACE_S``, so a harness that waits it out as tool time ends no sooner: a real task on the
+    trace's long tail. Held-out evaluations are not paced."""
 
 
     @property
@@ -387,11 +392,13 @@ class RunConfig:
         need(self.harness.time_scale > 0 and math.isfinite(self.harness.time_scale), "harness.time_scale",
              "must be a positive number")
         need(self.harness.replay_calls >= 1, "harness.replay_calls", "must be ≥ 1")
+        need(not self.harness.paced or self.harness.kind != "replay", "harness.paced",
+             "the replay harness is paced by its trace already")
         need(self.harness.token_scale >= 0 and math.isfinite(self.harness.token_scale), "harness.token_scale",
              "must be a number ≥ 0")
         need(self.harness.token_scale == 0 or self.harness.replay_calls >= 2, "harness.token_scale",
              "needs harness.replay_calls ≥ 2 (the context grows through tool results between calls)")
-        if self.harness.kind == "replay" and self.harness.trace:
+        if (self.harness.kind == "replay" or self.harness.paced) and self.harness.trace:
             from gyre_core.simulator.workload import TraceError, load_trace
 
             try:

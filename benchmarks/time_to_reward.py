@@ -1,0 +1,234 @@
+"""Time to a trained model: Gyre, Async (best split) and Colocate learning the same task side by side.
+
+Every mode runs ``gyre-orchestrate run`` on the ``lookup`` job (``benchmarks/lookup/job.toml``: its
+train and held-out files, its two-turn harness, its reward), from the same warm-started
+``model.dir`` (``benchmarks/lookup/warm_start.py``) and the same seeds. The long tail is real:
+``harness.paced = true`` gives each training execution the scaled duration of the recorded
+execution that the paper-shaped trace assigns it (group by group, the same draws in every mode),
+and the lookup agent waits it out as tool time between its two calls, so the answer comes when
+the recorded execution ended. Held-out evaluations are not paced.
+
+The modes share one target staleness E[d]: Gyre's (φ, μ) comes from the simulator's burst search
+on the scaled trace (as in ``live_race.py``), Async runs every split of its K cells (the one that
+reaches the target first counts, else the shorter run), Colocate φ = 0, μ = 2·E[d] + 1.
+
+Measured per run, on the orchestrator's clock from the scheduler's start (engine start-up, the
+same in every mode, is left out): the held-out mean reward (pass@1: 64 records × ``eval.samples``)
+of version 0, of every ``eval.interval``-th version and of the last, each placed at the time its
+version was published; the train reward of each step at its end; the **time to target**: when the
+first version whose held-out reward reaches ``--target`` was published. Reported per mode: those
+times across seeds and the speedups, and the held-out reward per step (do the modes learn alike
+per step?). Then ``simulate --calibrate-from`` reads the first seed's Gyre run and predicts the
+three modes' run times: where Gyre is not ahead, what holds it back.
+
+Writes ``<out>/time_to_reward.json`` and ``<out>/time_to_reward.png`` (held-out and train reward
+against wall time, one colour per mode) and prints the JSON object.
+
+    python benchmarks/time_to_reward.py [--seeds 0] [--steps 30] [--target 0.4] [--time-scale 0.002]
+        [--model runs/lookup-start] [--modes gyre,async,colocate] [--out runs/time-to-reward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOKUP = ROOT / "benchmarks" / "lookup"
+COLORS = {"gyre": "tab:blue", "async": "tab:orange", "colocate": "tab:green"}
+
+
+def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gyre_core.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def job_shape() -> dict[str, Any]:
+    """The lookup job's scheduler section (cells, capacity, N, B) as the burst search needs it."""
+    import tomllib
+
+    s = tomllib.loads((LOOKUP / "job.toml").read_text())["scheduler"]
+    return {"cells": int(s["cells"]), "capacity": int(s["cell_capacity"]), "n": int(s["group_size"]),
+            "b": int(s["groups_per_step"])}
+
+
+def gyre_burst(a: argparse.Namespace, trace: Path, shape: dict[str, Any]) -> tuple[float, int]:
+    """Gyre's (φ, μ) at the target E[d], by simulation on the scaled trace."""
+    from gyre_core.simulator.workload import ExecutionRecord, load_trace, with_default_tokens, write_trace
+
+    scaled = Path(a.out) / "trace-scaled.jsonl"
+    write_trace([ExecutionRecord(r.query, r.duration_s * a.time_scale, r.outcome, r.tokens)
+                 for r in with_default_tokens(load_trace(trace))], scaled)
+    p = cli("simulate", "--trace", str(scaled), "--modes", "gyre", "--auto-burst", "--staleness", str(a.staleness),
+            "--cells", str(shape["cells"]), "--cell-capacity", str(shape["capacity"]), "--standalone-capacity", "0",
+            "--group-size", str(shape["n"]), "--groups-per-step", str(shape["b"]), "--rho-min", "0.25",
+            "--tau", "0.5", "--train-minutes", str(a.step_s / 60.0), "--publication-s", "0.3",
+            "--steps", str(a.steps), "--seed", str(a.seeds[0]), "--json", "--quiet", timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"burst search failed: {p.stderr[-2000:]}")
+    g = json.loads(p.stdout)["modes"]["gyre"]
+    return float(g["phi"]), int(g["mu"])
+
+
+def time_to_target(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    """When the first version whose held-out reward reached ``target`` was published (None: never)."""
+    return next((t for _, t, r in curve if r >= target), None)
+
+
+def run_mode(label: str, seed: int, sets: dict[str, Any], a: argparse.Namespace, trace: Path,
+             timeout_s: float) -> dict[str, Any]:
+    out = Path(a.out) / f"{label}-seed{seed}"
+    base = {"run.seed": seed, "run.steps": a.steps, "model.dir": str(a.model), "run.max_wall_s": a.max_wall_s,
+            "harness.paced": "true", "harness.trace": str(trace), "harness.time_scale": a.time_scale,
+            "harness.timeout_s": timeout_s, "harness.overall_budget_s": timeout_s + 120.0,
+            "metrics.backends": "[]"}
+    args = ["run", "--config", str(LOOKUP / "job.toml"), "--out", str(out), "--json-summary"]
+    for k, v in {**base, **sets}.items():
+        args += ["--set", f"{k}={json.dumps(v) if isinstance(v, str) and not v.startswith(('[', 'true')) else v}"]
+    p = cli(*args, timeout=a.max_wall_s + 600)
+    if p.returncode != 0:
+        raise RuntimeError(f"{label} seed {seed} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    published = {int(x["version"]): float(x["at_s"]) for x in s.get("publications", [])}
+    published[0] = 0.0
+    curve = [(int(e["policy_version"]), published.get(int(e["policy_version"]), math.nan), float(e["mean_reward"]))
+             for e in s["evaluations"] if e.get("mean_reward") is not None]
+    recs = s["step_records"]
+    ends = [float(r["ended_s"]) for r in recs if "ended_s" in r]
+    return {"label": label, "seed": seed, "phi": sets["scheduler.extra_dispatch"],
+            "mu": sets["scheduler.steps_per_burst"], "held_out": curve,
+            "time_to_target_s": time_to_target(curve, a.target), "run_s": round(max(ends), 2) if ends else None,
+            "train": [(int(r["step"]), float(r["ended_s"]), r.get("mean_reward")) for r in recs if "ended_s" in r],
+            "mean_staleness": s["mean_staleness"], "clip_fraction": [r.get("clip_fraction") for r in recs],
+            "role_switches": len(s.get("role_switches", [])), "executions": s["executions"], "out": str(out)}
+
+
+def best_async(splits: list[dict[str, Any]]) -> dict[str, Any]:
+    """The split that reached the target first; if none did, the one whose run ended first."""
+    reached = [r for r in splits if r["time_to_target_s"] is not None]
+    if reached:
+        return min(reached, key=lambda r: r["time_to_target_s"])
+    return min(splits, key=lambda r: r["run_s"] or math.inf)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (held, train) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, runs in result["runs"].items():
+        for i, r in enumerate(runs):
+            c = COLORS.get(mode, "gray")
+            label = f"{mode} (φ={r['phi']:g}, μ={r['mu']})" if i == 0 else None
+            held.plot([t for _, t, _ in r["held_out"]], [x for _, _, x in r["held_out"]], "o-", color=c, label=label)
+            pts = [(t, x) for _, t, x in r["train"] if x is not None]
+            train.plot([t for t, _ in pts], [x for _, x in pts], ".-", color=c, alpha=0.7, label=label)
+    held.axhline(result["target"], color="black", ls="--", lw=0.8, label=f"target {result['target']:g}")
+    held.set(title="held-out mean reward at each evaluated version", xlabel="wall time (s) when published",
+             ylabel="pass@1 (held-out)")
+    train.set(title="train reward per step", xlabel="wall time (s) at the step's end", ylabel="mean reward")
+    for ax in (held, train):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"lookup task, {len(result['seeds'])} seed(s), time scale {result['time_scale']:g}, "
+                 f"E[d] = {result['staleness']:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--target", type=float, default=0.4, help="held-out pass@1 that counts as trained")
+    ap.add_argument("--time-scale", type=float, default=0.002, help="seconds of execution per recorded second")
+    ap.add_argument("--staleness", type=float, default=1.0, help="the common target E[d]")
+    ap.add_argument("--step-s", type=float, default=4.0, help="estimated full-pool step, for the burst search")
+    ap.add_argument("--model", default="runs/lookup-start", help="the warm-started model.dir (built if missing)")
+    ap.add_argument("--modes", default="gyre,async,colocate")
+    ap.add_argument("--max-wall-s", type=float, default=3600.0)
+    ap.add_argument("--out", default=f"runs/time-to-reward-{time.strftime('%Y%m%d-%H%M%S')}")
+    a = ap.parse_args()
+    a.seeds = [int(s) for s in a.seeds.split(",")]
+    from gyre_core.scheduler.burst import solve_burst
+    from gyre_core.simulator.workload import PAPER_122B, synthesize_trace, write_trace
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from learning_curve import warm_start
+
+    root = Path(a.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    a.out, a.model = str(root), Path(a.model).resolve()
+    start = warm_start(a.model, 0)
+    shape = job_shape()
+    trace = root / "trace-paper.jsonl"
+    write_trace(synthesize_trace(PAPER_122B, n_queries=64, n_per_query=16, seed=a.seeds[0]), trace)
+    # every paced execution ends its second call before the harness timeout (the tail is waited out)
+    timeout_s = round(PAPER_122B.harness_timeout_h * 3600 * a.time_scale + 60.0, 1)
+    phi_g, mu_g = gyre_burst(a, trace, shape)
+    print(f"burst search: Gyre φ={phi_g:g}, μ={mu_g} at E[d]={a.staleness:g}", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    splits_seen: dict[str, Any] = {}
+    for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+        phi, mu = (phi_g, mu_g) if mode == "gyre" else solve_burst(mode, a.staleness)
+        sets = {"scheduler.mode": mode, "scheduler.extra_dispatch": float(phi), "scheduler.steps_per_burst": mu}
+        for seed in a.seeds:
+            variants = [(mode, sets)] if mode != "async" else [
+                (f"async-{m}", {**sets, "scheduler.async_training_cells": m}) for m in range(1, shape["cells"])]
+            done = []
+            for label, s in variants:
+                print(f"running {label} seed {seed} (φ={phi:g}, μ={mu}) ...", file=sys.stderr, flush=True)
+                r = run_mode(label, seed, s, a, trace, timeout_s)
+                print(json.dumps({k: r[k] for k in ("label", "seed", "time_to_target_s", "run_s", "held_out")}),
+                      file=sys.stderr, flush=True)
+                done.append(r)
+            best = best_async(done) if mode == "async" else done[0]
+            if mode == "async":
+                splits_seen[str(seed)] = {r["label"]: r["time_to_target_s"] for r in done}
+            runs.setdefault(mode, []).append(best)
+
+    def per_mode(key: str) -> dict[str, list[Any]]:
+        return {m: [r[key] for r in rs] for m, rs in runs.items()}
+
+    ttt = per_mode("time_to_target_s")
+    speedup: dict[str, Any] = {}
+    if "gyre" in ttt:
+        for m, ts in ttt.items():
+            if m != "gyre":
+                speedup[f"gyre_vs_{m}"] = [round(t / g, 3) if t and g else None for t, g in zip(ts, ttt["gyre"])]
+    result: dict[str, Any] = {
+        "benchmark": "time_to_reward", "task": "lookup", "seeds": a.seeds, "steps": a.steps, "target": a.target,
+        "time_scale": a.time_scale, "staleness": a.staleness, "harness_timeout_s": timeout_s,
+        "job": shape, "warm_start": {k: start[k] for k in ("pass_rate", "steps", "hidden", "layers")},
+        "gyre_burst": {"phi": phi_g, "mu": mu_g}, "async_splits": splits_seen,
+        "time_to_target_s": ttt, "speedup_to_target": speedup, "run_s": per_mode("run_s"),
+        "held_out_per_version": {m: [{v: x for v, _, x in r["held_out"]} for r in rs] for m, rs in runs.items()},
+        "runs": runs,
+    }
+    if "gyre" in runs:
+        p = cli("simulate", "--calibrate-from", runs["gyre"][0]["out"], "--modes", ",".join(runs), "--json",
+                "--quiet", timeout=600)
+        if p.returncode == 0:
+            sim = json.loads(p.stdout)
+            result["simulated"] = {"calibration": sim["calibration"]["measured"], "speedup": sim["speedup"],
+                                   "run_s": {m: r["end_to_end_s"] for m, r in sim["modes"].items()}}
+        else:
+            result["simulated"] = {"error": p.stderr[-2000:]}
+    (root / "time_to_reward.json").write_text(json.dumps(result, indent=1))
+    plot(result, root / "time_to_reward.png")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
