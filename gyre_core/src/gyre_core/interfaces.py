@@ -17,12 +17,14 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 __all__ = [
     "SEAMS",
     "Assessment",
+    "Checkpointing",
     "EngineClient",
     "EngineError",
     "EngineProcess",
     "EngineUnreachable",
     "ExecutionSpec",
     "GenerateResult",
+    "HarnessEnds",
     "HarnessHandle",
     "KVHandOff",
     "KVHandOffEngine",
@@ -30,6 +32,8 @@ __all__ = [
     "RoleClass",
     "ServingSide",
     "StateRef",
+    "StepFailed",
+    "StepRecovery",
     "TaskInstance",
     "TrainingSide",
     "TrajectoryLeaf",
@@ -183,6 +187,17 @@ class HarnessHandle(Protocol):
         ...
 
 
+@runtime_checkable
+class HarnessEnds(Protocol):
+    """An optional capability of a harness handle: it can tell how its process ended (a crash, a
+    failure, killed for memory...), which the evaluator is told. Without it a non-zero exit is
+    classified from the harness kind and the code alone."""
+
+    def end_kind(self, code: int) -> str:
+        """How the process that exited with ``code`` ended (one of the run's harness ends)."""
+        ...
+
+
 @dataclass(frozen=True)
 class WeightsRef:
     """Where a published policy version can be loaded from.
@@ -218,6 +233,22 @@ class PhaseTiming:
         return self.end - self.start
 
 
+class StepFailed(RuntimeError):
+    """Raised by ``TrainingSide.close_stream`` when a step could not complete (a cell died or
+    timed out); no update was applied.
+
+    ``requeue`` maps each dropped cell (the dead one and any cell after it in the prefix) to the
+    micro-step indices it had claimed: they were never counted and must be streamed again.
+    ``survivors``: cells ``0..survivors−1`` kept their gradients and can finish the step
+    (:class:`StepRecovery`); 0 when the cell that raised is itself gone (its ranks died, raised or
+    hung)."""
+
+    def __init__(self, message: str, requeue: Mapping[int, Sequence[int]] | None = None, survivors: int = 1) -> None:
+        super().__init__(message)
+        self.requeue: dict[int, list[int]] = {int(c): list(v) for c, v in (requeue or {}).items()}
+        self.survivors = survivors
+
+
 @runtime_checkable
 class TrainingSide(Protocol):
     """The training half of one cell (backed by Megatron in ``gyre-megatron``).
@@ -228,6 +259,18 @@ class TrainingSide(Protocol):
     the authoritative weights, runs the optimizer and publishes weights; satellites only join
     running batches and contribute gradients.
     """
+
+    cell: int
+    """The cell's index (0: the core)."""
+
+    last_step_info: Sequence[Mapping[str, Any]]
+    """Per-rank statistics of the last step this cell closed (``close_stream``): claims,
+    micro-steps, pulls, gradient norm; what the step record reports for the cell."""
+
+    def placement(self) -> Mapping[str, Any]:
+        """Where the cell's ranks run, for the start-up plan: ``ranks``, ``tp``, ``pp``, ``nodes``,
+        ``devices`` (one per rank)."""
+        ...
 
     def enter_training(self) -> Sequence[PhaseTiming]:
         """Restore training parameters and buffers. Called after the cell's serving side has
@@ -254,11 +297,8 @@ class TrainingSide(Protocol):
         its pipeline and contributed its gradients (on the core: once the optimizer update is
         applied).
 
-        When a participant fails, raise an exception carrying ``survivors`` (cells
-        ``0..survivors−1`` kept their gradients; 0: this cell itself is gone) and ``requeue``
-        (dropped cell -> indices of the micro-steps it had claimed, to stream again). A backend
-        that can finish such a step adds the optional ``resume_step(step) -> (queue, wait)``
-        (see :class:`StepRecovery`)."""
+        When a participant fails, raise :class:`StepFailed`. A backend that can finish such a
+        step on the survivors also implements :class:`StepRecovery`."""
         ...
 
     def publish_weights(self, version: int) -> WeightsRef:
@@ -280,9 +320,10 @@ class TrainingSide(Protocol):
         ...
 
 
+@runtime_checkable
 class StepRecovery(Protocol):
-    """What a training backend adds so that a satellite's death does not end the run (optional;
-    the live run looks these methods up and fails the run without them)."""
+    """An optional capability of a training side: a satellite's death does not end the run.
+    Checked once, when the run starts; without it a failed step fails the run."""
 
     def resume_step(self, step: int) -> tuple[Any, Callable[[], Sequence[Mapping[str, Any]]]]:
         """After ``close_stream`` failed: finish ``step`` on the surviving cells' kept gradients
@@ -295,6 +336,16 @@ class StepRecovery(Protocol):
         """Core only: start the training processes anew after a cell's died (the core's state
         carried across), so every cell can join later steps; ``{"restart_s": ...}``. Raises
         ``NotImplementedError`` where the processes are a cluster launcher's to restart."""
+        ...
+
+
+@runtime_checkable
+class Checkpointing(Protocol):
+    """An optional capability of the core's training side: training state kept after each step,
+    for ``--resume``. Checked once, when the run starts; without it the run keeps no checkpoints."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Persist the training state after a step (weights, optimizer, version) under ``path``."""
         ...
 
 
@@ -460,6 +511,16 @@ class EngineProcess(Protocol):
 
     def stop(self) -> None:
         """Stop the engine and every process it spawned; idempotent."""
+        ...
+
+    def alive(self) -> bool | None:
+        """False once its process has exited; None where this process cannot tell (an engine
+        another node started: the watchdog's health checks decide)."""
+        ...
+
+    def placement(self) -> str:
+        """Where it runs beyond its URL, for the start-up plan (its GPU flags, its node); may be
+        empty."""
         ...
 
     def kill(self) -> None:

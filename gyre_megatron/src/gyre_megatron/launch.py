@@ -228,6 +228,13 @@ class RemoteEngine:
     def __init__(self, world: "ClusterWorld", rank: int, engine_id: int, url: str) -> None:
         self.world, self.rank, self.engine_id, self.url = world, rank, engine_id, url
 
+    def alive(self) -> None:
+        """Not told from here: the watchdog's health checks decide for an engine on another node."""
+        return None
+
+    def placement(self) -> str:
+        return f"started by rank {self.rank}"
+
     def stop(self) -> None:
         self.world.engine_call(self.rank, "stop", self.engine_id)
 

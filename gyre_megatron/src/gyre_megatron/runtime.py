@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from gyre_core.interfaces import StepFailed
 
 from gyre_megatron import compat
 from gyre_megatron.checks import RankChecks
@@ -41,21 +42,6 @@ from gyre_megatron.rank_options import RankOptions
 from gyre_megatron.streaming import ControlChannel, run_streaming_1f1b
 
 __all__ = ["CellRank", "RankOptions", "StepFailed"]
-
-
-class StepFailed(RuntimeError):
-    """A step could not complete (a cell died or timed out); no update was applied.
-
-    ``requeue`` maps each dropped cell (the dead one and any cell after it in the prefix) to the
-    micro-step indices it had claimed: they were never counted and must be streamed again.
-    ``survivors`` is 0 when the cell that raised is itself gone (its ranks died, raised or hung).
-    """
-
-    def __init__(self, message: str, requeue: dict[int, list[int]] | None = None, survivors: int = 1) -> None:
-        super().__init__(message)
-        self.requeue = requeue or {}
-        self.survivors = survivors
-        """Cells ``0..survivors−1`` kept their gradients and can :meth:`resume_step`."""
 
 
 class CellRank(RankChecks):
@@ -183,7 +169,12 @@ class CellRank(RankChecks):
     @property
     def transport(self) -> Any:
         if self._transport is None:
-            from gyre_core.transfer_endpoint import WILDCARDS, MooncakeEndpoint, advertised_host
+            from gyre_core.transfer_endpoint import (
+                WILDCARDS,
+                MooncakeEndpoint,
+                advertised_host,
+            )
+
             from gyre_megatron.transfer import WeightTransport
 
             m = self.opts.mooncake

@@ -6,7 +6,7 @@ All K cells' ranks form one world (torch cannot grow a process group), so the fi
 cluster's nodes (:class:`~gyre_megatron.launch.ClusterWorld`, ``launcher = "torchrun"``) -- and
 every cell's side drives its own block of ranks through it. Methods that start work
 (``start_step``, ``join_step``) return at once; ``close_stream`` waits for the cell's ranks, with
-a timeout, and raises :class:`~gyre_megatron.runtime.StepFailed` if the step could not complete.
+a timeout, and raises :class:`~gyre_core.interfaces.StepFailed` if the step could not complete.
 
 Each training step uses its own micro-step queue, created before the ranks were spawned (a
 ``multiprocessing`` queue can only be handed to a process at creation): the orchestrator builds
@@ -148,7 +148,7 @@ class MegatronTrainingSide:
 
     def close_stream(self, step: int) -> None:
         from gyre_megatron.launch import RankError
-        from gyre_megatron.runtime import StepFailed
+        from gyre_core.interfaces import StepFailed
 
         ticket = self._tickets.pop(step)
         try:

@@ -145,6 +145,14 @@ class SGLangServer:
             cmd += ["--custom-weight-loader", LOADER]
         return cmd + list(self.extra_args)
 
+    def alive(self) -> bool:
+        """False once the server process has exited (or was never started, or was stopped)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def placement(self) -> str:
+        """Its GPU flags (empty on a machine without CUDA), for the run's start-up plan."""
+        return " ".join(self.gpu_args()) if _cuda_available() else ""
+
     def gpu_args(self) -> list[str]:
         """``--base-gpu-id`` and ``--tp-size`` for this engine's GPUs, unless the user's
         ``extra_args`` already place it, and the memory saver a cell's engine needs."""

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gyre_core.interfaces import WeightsRef
+from gyre_core.interfaces import EngineProcess, TrainingSide, WeightsRef
 from gyre_core.metrics.observers import close_observers, open_observers
 from gyre_core.config import ConfigError
 from gyre_core.orchestrator.journal import Journal, Replay
@@ -435,24 +435,23 @@ async def _republished(core: Any, replay: Replay, out: Path, say: Callable[[str]
     return WeightsRef(v, str(folder))
 
 
-def placement_plan(training: Sequence[Any], engines: Sequence[Any], standalone: Any = None) -> list[str]:
+def placement_plan(training: Sequence[TrainingSide], engines: Sequence[EngineProcess],
+                   standalone: EngineProcess | None = None) -> list[str]:
     """One line per cell: cell → node → devices → ranks → engine (where each part runs).
 
     A cell's engine starts on the GPUs its ranks train on (``--base-gpu-id`` at the cell's first
     GPU, ``--tp-size`` its GPU count); on a machine without CUDA every part runs on the CPU."""
     lines = []
     for side, engine in zip(training, engines):
-        where = side.placement() if hasattr(side, "placement") else {}
+        where = side.placement()
         role = "core" if side.cell == 0 else "satellite"
-        gpus = getattr(engine, "gpu_args", lambda: [])() if where.get("devices", ["cpu"])[0] != "cpu" else []
+        extra = engine.placement()
         lines.append(
             f"cell {side.cell} ({role}): node {','.join(where.get('nodes', ['?']))} · "
             f"devices {','.join(where.get('devices', ['?']))} · ranks {list(where.get('ranks', []))} "
-            f"(tp {where.get('tp', 1)} × pp {where.get('pp', 1)}) · engine {getattr(engine, 'url', '?')}"
-            + (f" {' '.join(gpus)}" if gpus else "")
-            + (f" on node {engine.node}" if getattr(engine, "node", None) else ""))  # Ray: the engine actor's node
+            f"(tp {where.get('tp', 1)} × pp {where.get('pp', 1)}) · engine {engine.url}" + (f" {extra}" if extra else ""))
     if standalone is not None:
-        lines.append(f"standalone pool: engine {getattr(standalone, 'url', '?')} (never trains)")
+        lines.append(f"standalone pool: engine {standalone.url} (never trains)")
     return lines
 
 
@@ -496,10 +495,7 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any]
         return e
 
     def alive(cell: int) -> bool | None:
-        proc = getattr(current[cell], "proc", False)  # SGLangServer: None once killed or stopped
-        if proc is False:
-            return None
-        return proc is not None and proc.poll() is None
+        return current[cell].alive()
 
     return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say,
                           engine_options=serving_opts, **dataclasses.asdict(cfg.watchdog))

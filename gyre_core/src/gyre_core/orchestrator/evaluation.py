@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, Validity
+from gyre_core.interfaces import Assessment, ExecutionSpec, HarnessEnds, StateRef, Validity
 from gyre_core.orchestrator.live_executions import harness_extra, infra_verdict
 
 log = logging.getLogger(__name__)
@@ -220,8 +220,7 @@ class HeldOutEvaluation:
                 if code is None:
                     await loop.run_in_executor(self._threads, handle.kill)
                 elif code != 0:
-                    end_kind = getattr(handle, "end_kind", None)
-                    end = end_kind(int(code)) if end_kind is not None else "failed"
+                    end = handle.end_kind(int(code)) if isinstance(handle, HarnessEnds) else "failed"
                     spec = replace(spec, extra={**spec.extra, "harness_exit": int(code), "harness_end": end})
             except Exception as e:  # no engine, a harness that cannot start: unresolved, never a zero
                 self._proxy.forget(eid)

@@ -139,6 +139,10 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self.role_intervals: list[tuple[int, str, float, float]] = []
         self._role_since = [(("rollout"), 0.0)] * len(self.cells)
         self.role_switches: list[dict[str, Any]] = []
+        self._metrics_switch_mark = 0
+        """Role switches already reported to the metrics observers."""
+        self._tool_output_rate: float | None = None
+        """``replay``: tokens per word of the replay's tool output (measured on first use)."""
         self.step_records: list[dict[str, Any]] = []
         self.publications: list[dict[str, Any]] = []
         self._checkpoints: dict[int, str] = {}
@@ -451,5 +455,4 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
     def _interrupted_calls(self) -> dict[str, Any] | None:
         """Calls cut short by a role change or a dead engine: continued on the KV they handed
         off, re-prefilled (and why), or generated again; prefill tokens the hand-offs saved."""
-        handoffs = getattr(self.proxy, "handoffs", None)
-        return handoffs.summary() if handoffs is not None else None
+        return dict(self.proxy.handoffs.summary())

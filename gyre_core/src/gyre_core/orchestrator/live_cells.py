@@ -74,9 +74,7 @@ class CellsMixin:
         async def hand_off(rids: Sequence[str]) -> None:
             """The running calls' KV goes to the engines their executions were just rerouted to;
             each continues there (re-prefilling only when its hand-off could not be done)."""
-            handoff = getattr(self.proxy, "hand_off", None)
-            if handoff is not None:
-                await handoff(url, rids)
+            await self.proxy.hand_off(url, rids)
 
         # The proxy stops routing here first, so calls cut short below continue on their new engine.
         self.proxy.reroute(url, self._reroute_destinations())

@@ -14,11 +14,7 @@ from dataclasses import asdict, dataclass, is_dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from gyre_core.dataplane.trajectory_buffer import ScoredExecution
-from gyre_core.interfaces import (
-    Assessment,
-    ExecutionSpec,
-    StateRef,
-)
+from gyre_core.interfaces import Assessment, ExecutionSpec, HarnessEnds, StateRef
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.harness import TaskSetupFailed, classify_end
 from gyre_core.orchestrator.journal import selected_to_json, tree_to_json
@@ -180,8 +176,7 @@ class ExecutionsMixin:
             # ended and judges what the workspace holds. Only the task may call it a zero (a
             # harness that ran to its end and produced nothing); a crash never is one.
             if code != 0:
-                end_kind = getattr(handle, "end_kind", None)
-                end = end_kind(int(code)) if end_kind is not None else classify_end(spec.harness, int(code))
+                end = handle.end_kind(int(code)) if isinstance(handle, HarnessEnds) else classify_end(spec.harness, int(code))
                 ex.harness_exit = {"code": int(code), "end": end}
                 ex.spec = _with_exit(spec, ex.harness_exit)
             outcome = Outcome.COMPLETED
@@ -321,7 +316,7 @@ class ExecutionsMixin:
     def _replay_tokens_per_word(self) -> float:
         """Tokens per word of the replay's tool output under the run's tokenizer: where each
         replay's sizing starts (it then corrects itself from the proxy's usage counts)."""
-        rate = getattr(self, "_tool_output_rate", None)
+        rate = self._tool_output_rate
         if rate is None:
             from gyre_core.tasks.replay_harness import tool_output
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from gyre_core.dataplane.packing import StreamPackingBuffer
-from gyre_core.interfaces import WeightsRef
+from gyre_core.interfaces import Checkpointing, StepFailed, StepRecovery, WeightsRef
 from gyre_core.metrics import step_metrics
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.hf_folders import model_dtype, prunable_hf, write_hf_folder
@@ -57,6 +57,9 @@ class LostTraining:
 
     def close_stream(self, step: int) -> None:
         self.last_step_info = [{"joined": False, "lost": self.why}]
+
+    def placement(self) -> dict[str, Any]:
+        return {"cell": self.cell, "ranks": [], "lost": self.why}
 
 
 def prunable(checkpoints: Mapping[int, str], keep_last: int, published: int, interval: int = 1) -> list[int]:
@@ -103,14 +106,14 @@ class StepsMixin:
             side = self.cells[cell].training
             try:
                 await self._cell_call(cell, side.close_stream, st.step)
-            except Exception as e:
-                if getattr(e, "survivors", None) is None or (cell == 0 and e.survivors == 0):  # type: ignore[attr-defined]
-                    raise  # not a step failure, or the core itself is gone: the run's journal resumes it
+            except StepFailed as e:
+                if cell == 0 and e.survivors == 0:
+                    raise  # the core itself is gone: the run's journal resumes it
                 failed[cell] = e
-            infos[cell] = list(getattr(side, "last_step_info", []))
+            infos[cell] = list(side.last_step_info)
         if not failed:
             return infos
-        gone = sorted(c for c, e in failed.items() if e.survivors == 0)  # type: ignore[attr-defined]
+        gone = sorted(c for c, e in failed.items() if e.survivors == 0)
         core = failed.get(0)
         if core is None:  # the update went through without them: a gone satellite added nothing to it
             if len(gone) != len(failed):
@@ -118,7 +121,7 @@ class StepsMixin:
                                 + "; ".join(str(e) for e in failed.values()))
             survivors, redone = [c for c in infos if c not in failed], 0
         else:
-            survivors = sorted(c for c in set(st.cells) if c < core.survivors)  # type: ignore[attr-defined]
+            survivors = sorted(c for c in set(st.cells) if c < core.survivors)
             redone = await self._finish_on_survivors(st, survivors, core, infos)
         for c in set(st.cells) - set(survivors):
             infos.pop(c, None)
@@ -130,17 +133,17 @@ class StepsMixin:
                       f"({redone} micro-steps streamed again)")
         return infos
 
-    async def _finish_on_survivors(self, st: _Step, survivors: list[int], failure: Any,
+    async def _finish_on_survivors(self, st: _Step, survivors: list[int], failure: StepFailed,
                                    infos: dict[int, list[dict[str, Any]]]) -> int:
         """The surviving cells kept their gradients: they stream what the dropped cells had
         claimed, then reduce and update as the step would have. Returns the re-streamed count."""
         indices = sorted(i for claimed in failure.requeue.values() for i in claimed)
         waits = []
         for cell in survivors:  # the core first: it makes the queue the others claim from
-            resume = getattr(self.cells[cell].training, "resume_step", None)
-            if resume is None:
+            side = self.cells[cell].training
+            if not isinstance(side, StepRecovery):
                 raise RunFailed(f"step {st.step} failed and cell {cell}'s backend cannot finish it: {failure}")
-            queue, wait = await self._cell_call(cell, resume, st.step)
+            queue, wait = await self._cell_call(cell, side.resume_step, st.step)
             if cell == 0:
                 redo_queue = queue
             waits.append((cell, wait))
@@ -153,7 +156,8 @@ class StepsMixin:
         """Cells whose ranks died come back: every training process is started anew with the
         core's state (torch cannot re-admit a process into a group). No cell's rank is busy
         meanwhile (every cell's lock is held); cells settled in rollout then offload again."""
-        restart = getattr(self.cells[0].training, "restart_ranks", None)
+        core = self.cells[0].training
+        restart = core.restart_ranks if isinstance(core, StepRecovery) else None
         locks = list(self._cell_locks)
         for lock in locks:
             await lock.acquire()
@@ -179,7 +183,8 @@ class StepsMixin:
 
     async def _finish_step(self, st: _Step) -> None:
         infos = await self._close_streams(st)
-        save = getattr(self.cells[0].training, "save_checkpoint", None)
+        core = self.cells[0].training
+        save = core.save_checkpoint if isinstance(core, Checkpointing) else None
         if save is not None and self.journal is not None:
             path = str(self.out_dir / "checkpoints" / f"step{st.step}")
             (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -225,12 +230,11 @@ class StepsMixin:
 
     def _report_metrics(self, rec: dict[str, Any]) -> None:
         """The step's figures to the ``gyre_on_metrics`` observers (TensorBoard, W&B, plugins)."""
-        mark = getattr(self, "_metrics_switch_mark", 0)
-        stats = getattr(self.proxy, "call_stats", None)
+        mark = self._metrics_switch_mark
         metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.role_switches[mark:],
                                interrupted_calls=self._interrupted_calls(),
                                publication=self.publications[-1] if self.publications else None,
-                               call_stats=stats.drain() if stats is not None else None)
+                               call_stats=self.proxy.call_stats.drain())
         self._metrics_switch_mark = len(self.role_switches)
         try:
             self.pm.hook.gyre_on_metrics(step=int(rec["step"]), metrics=metrics)

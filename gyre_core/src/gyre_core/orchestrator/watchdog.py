@@ -2,9 +2,9 @@
 
 The live driver runs one watchdog task per run. For each cell whose engine serves rollouts it
 checks the engine cheaply and often (``alive``: is the process still there, when the launcher can
-tell) and health-checks it less often (``GET /health_generate`` through the engine's client or
-serving side, bounded by ``health_timeout_s``; ``failures`` consecutive failures mean dead). A dead
-engine is then, in this order:
+tell) and health-checks it less often (its serving side's ``ahealth``, SGLang's ``GET
+/health_generate``, bounded by ``health_timeout_s``; ``failures`` consecutive failures mean dead).
+A dead engine is then, in this order:
 
 1. taken out of routing: ``proxy.reroute(url, <the other rollout engines>)`` pins its executions
    elsewhere, so the proxy's retry of every call that was in flight there (an ``EngineUnreachable``)
@@ -111,7 +111,7 @@ class EngineWatchdog:
     def attach(self, orch: Any) -> "EngineWatchdog":
         """Bind to the orchestrator (before :meth:`run`); every engine starts out up."""
         self.orch = orch
-        ids = list(range(len(orch.cells))) + ([-1] if getattr(orch, "standalone", None) is not None else [])
+        ids = list(range(len(orch.cells))) + ([-1] if orch.standalone is not None else [])
         self._ready = {i: asyncio.Event() for i in ids}
         for e in self._ready.values():
             e.set()
@@ -146,18 +146,9 @@ class EngineWatchdog:
         return cell < 0 or bool(self.orch._engine_role[cell] == "rollout")
 
     async def _healthy(self, cell: int) -> bool:
-        """One bounded ``/health_generate`` (client's ``health`` or the serving side's ``ahealth``)."""
-        c = self._handles(cell)
-        client = None
+        """One bounded health check through the cell's serving side (SGLang: ``/health_generate``)."""
         try:
-            client = self.orch.proxy.router.slot(c.engine_url).client
-        except KeyError:
-            pass
-        check = getattr(client, "health", None)
-        try:
-            if check is not None:
-                return bool(await asyncio.wait_for(check(timeout=self.health_timeout_s), self.health_timeout_s + 1))
-            return bool(await asyncio.wait_for(c.serving.ahealth(), self.health_timeout_s))
+            return bool(await asyncio.wait_for(self._handles(cell).serving.ahealth(), self.health_timeout_s))
         except (EngineError, asyncio.TimeoutError, OSError):
             return False
 
