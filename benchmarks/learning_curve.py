@@ -6,9 +6,12 @@ checkpoint ``benchmarks/lookup/warm_start.py`` makes, for each of ``--seeds``: a
 **control** run whose training rewards are shuffled across executions (evaluations keep the true
 reward). The measure is the held-out pass rate (64 eval records, never trained on) before
 training and every ``[eval] interval`` steps; per seed the rise is the last evaluation's pass rate
-minus the first's. Reported: each run's curve, the mean rise of each arm with its 95% confidence
-interval across seeds (Student's t), and the paired difference real − control with its interval:
-**learns** when that interval lies above zero.
+minus the first's. A second measure, less noisy (every trained execution counts, 64 a step): the
+true reward of each step's trained executions, its rise the mean of the last 5 steps minus the
+first 5 (the control's true rewards, not the shuffled ones it trained on). Reported for each: each
+run's curve, the mean rise of each arm with its 95% confidence interval across seeds (Student's
+t), and the paired difference real − control with its interval: **learns** when that interval lies
+above zero.
 
 ``--task digits`` (the older check):
 Two live runs with the same seed and settings (real Megatron cells, SGLang engines, proxy, one
@@ -127,16 +130,28 @@ def run_lookup(kind: str, seed: int, model: Path, args: argparse.Namespace) -> d
     if args.lr is not None:
         overrides["training.lr"] = args.lr
     cfg = load_run_config(str(LOOKUP / "job.toml"), overrides)
-    plugins = [ShuffledRewards(args.pool, seed, "lookup")] if kind == "control" else []
+    control = ShuffledRewards(args.pool, seed, "lookup") if kind == "control" else None
+    parts: dict[str, Any] = {}
     t0 = time.monotonic()
-    summary = run_live(cfg, lambda m: None, plugins=plugins)
+    summary = run_live(cfg, lambda m: None, plugins=[control] if control else [], on_started=parts.update)
     # held-out mean reward: with a 0/1 reward, the share of evaluation executions that passed (pass@1
     # over ``eval.samples`` draws per record; the summary's ``pass_rate`` is pass@samples)
     evals = [(e["policy_version"], e["mean_reward"]) for e in summary["evaluations"]]
+    # the true reward of each step's trained executions (the control trains on shuffled ones)
+    orch = parts["orchestrator"]
+    true = control.true if control else {e: x.reward for e, x in orch._execs.items()}
+    curve = []
+    for rec in summary["step_records"]:
+        rs = [true[e] for g in rec["groups"] for e in orch._group_members(g)
+              if orch._execs[e].fate == "trained" and true.get(e) is not None]
+        curve.append(round(sum(rs) / len(rs), 4) if rs else float("nan"))
+    k = max(1, min(5, len(curve) // 2))
     result = {"eval_pass_rate": evals, "rise": round(evals[-1][1] - evals[0][1], 4),
-            "train_reward_per_step": summary["rewards"], "lr": cfg.training.lr, "steps": cfg.run.steps,
-            "clip_fraction": [r["clip_fraction"] for r in summary["step_records"]],
-            "wall_s": round(time.monotonic() - t0, 1)}
+              "true_train_reward_per_step": curve,
+              "train_rise": round(sum(curve[-k:]) / k - sum(curve[:k]) / k, 4),
+              "lr": cfg.training.lr, "steps": cfg.run.steps,
+              "clip_fraction": [r["clip_fraction"] for r in summary["step_records"]],
+              "wall_s": round(time.monotonic() - t0, 1)}
     print(json.dumps({"run": kind, "seed": seed, **result}), file=sys.stderr, flush=True)
     return result
 
@@ -145,14 +160,21 @@ def lookup_main(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model or Path(args.out) / "warm-start")
     start = warm_start(model, 0)
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = {kind: {s: run_lookup(kind, s, model, args) for s in seeds} for kind in ("real", "control")}
-    real = [runs["real"][s]["rise"] for s in seeds]
-    control = [runs["control"][s]["rise"] for s in seeds]
-    diff = mean_ci([r - c for r, c in zip(real, control)])
+    runs: dict[str, dict[int, dict[str, Any]]] = {"real": {}, "control": {}}
+    for s in seeds:  # seed by seed, so a stopped benchmark still has pairs
+        for kind in ("real", "control"):
+            runs[kind][s] = run_lookup(kind, s, model, args)
+
+    def arms(key: str) -> dict[str, Any]:
+        real = [runs["real"][s][key] for s in seeds]
+        control = [runs["control"][s][key] for s in seeds]
+        diff = mean_ci([r - c for r, c in zip(real, control)])
+        return {"real": mean_ci(real), "control": mean_ci(control), "real_minus_control": diff,
+                "learns": diff["ci95"] is not None and diff["mean"] - diff["ci95"] > 0}
+
     return {"benchmark": "learning_curve", "task": "lookup", "steps": runs["real"][seeds[0]]["steps"], "seeds": seeds,
             "warm_start": {k: start[k] for k in ("pass_rate", "steps", "hidden", "layers", "lr", "seconds")},
-            "runs": runs, "real_rise": mean_ci(real), "control_rise": mean_ci(control),
-            "real_minus_control": diff, "learns": diff["ci95"] is not None and diff["mean"] - diff["ci95"] > 0}
+            "runs": runs, "held_out_rise": arms("rise"), "train_rise": arms("train_rise")}
 
 
 def _true_rewards_per_step(summary: dict[str, Any], orch: Any, out: Path) -> list[float]:

@@ -3,6 +3,7 @@ has the documented shape, and bad input is rejected before anything runs."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import random
 import statistics
@@ -246,3 +247,30 @@ def test_burst_search_prefers_a_shorter_burst_with_more_extra_dispatch_on_hard_q
     assert chosen.mu < 3 and chosen.phi > 0.5
     by_mu = {t.mu: t.end_to_end_s for t in r.auto_burst}
     assert by_mu[chosen.mu] < 0.9 * by_mu[3]  # the default pair is clearly beaten
+
+
+@pytest.mark.parametrize("mode", ["gyre", "async", "colocate"])
+def test_a_run_shorter_than_a_burst_ends_on_its_last_step_and_publishes_it(mode: str) -> None:
+    """run.steps = 2 with μ = 3: the burst ends after step 1 (no step 2 is started) and the
+    policy of version 2 is published. Before, the third step of the burst started past the run's
+    end, the live run left its loop with nothing published and waited for an evaluation of a
+    version that never came."""
+    import io
+
+    cfg = small_config(mode, 1.0, steps_per_burst=3)
+    log = io.StringIO()
+    sim = Simulation(cfg, PerGroupSeeded(LognormalWorkload(), 7), SimParams(steps=2, cell_tokens_per_s=60.0),
+                     event_log=log)
+    sim.run()
+    for _ in range(100_000):  # on past the run's last step: what the scheduler commands next
+        if not sim._heap:
+            break
+        t, _, kind, payload = heapq.heappop(sim._heap)
+        sim.now = t
+        sim._fire(kind, payload)
+        if sim.sched.published_version == 2:
+            break
+    lines = [json.loads(x) for x in log.getvalue().splitlines()]
+    started = [x["step"] for x in lines if x.get("command") == "StartStep"]
+    assert started == [0, 1]
+    assert sim.sched.steps_done == 2 and sim.sched.published_version == 2

@@ -112,7 +112,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                                             thread_name_prefix="gyre-blocking")
         self.journal = journal
         self.replay = replay
-        self.sched = Scheduler(cfg.scheduler)
+        self.sched = Scheduler(cfg.scheduler, total_steps=cfg.run.steps)
         self.buffer = TrajectoryBuffer(cfg.scheduler.group_size)
         self.ledger = AssessmentLedger()
         self.packing_cfg = PackingConfig(token_budget=cfg.dataplane.token_budget, dp_size=1, min_fill=0.5,

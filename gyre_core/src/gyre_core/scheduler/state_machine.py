@@ -129,8 +129,11 @@ class Snapshot:
 class Scheduler:
     """Boundary dispatch and elastic cell placement, driven by events (see module docstring)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, total_steps: int | None = None) -> None:
         self.cfg = config
+        self.total_steps = total_steps
+        """The run's length in steps (None: unbounded). A burst ends at it even when it has run
+        fewer than μ steps: no step starts past the run's last, and its policy is published."""
         self.now = 0.0
         self.d = 0
         self.p = 0
@@ -323,7 +326,7 @@ class Scheduler:
         self._step = None
         self.steps_done += 1
         self._burst_steps += 1
-        if self._burst_steps < self.cfg.steps_per_burst:
+        if self._burst_steps_left() > 0:
             return  # the next step of the burst starts in _advance
         self._phase = _Phase.RETURNING
         kept = self._kept_cells()
@@ -533,7 +536,7 @@ class Scheduler:
     def _prevent_starvation(self, out: list[ev.Command]) -> None:
         """If the groups in the slots can no longer supply this burst, dispatch now (not at the
         next publication, which would never come). The only way d rises inside a burst."""
-        needed = (self.cfg.steps_per_burst - self._burst_steps) * self.cfg.groups_per_step
+        needed = self._burst_steps_left() * self.cfg.groups_per_step
         if self._step is not None:
             needed -= self._step.assigned
         if self._phase in (_Phase.RETURNING, _Phase.PUBLISHING):
@@ -646,13 +649,21 @@ class Scheduler:
             return all(s is CellState.TRAINING for s in self._cells)
         return self._cells[0] is CellState.TRAINING
 
+    def _burst_steps_left(self) -> int:
+        """Steps the current burst may still start: μ less those it finished, and never past the
+        run's last step."""
+        left = self.cfg.steps_per_burst - self._burst_steps
+        if self.total_steps is not None:
+            left = min(left, self.total_steps - self.steps_done)
+        return max(0, left)
+
     def _maybe_start_step(self, out: list[ev.Command]) -> None:
         c = self.cfg
         if self._phase is _Phase.ENTERING and self._burst_ready():
             self._phase = _Phase.TRAINING
         if self._phase is not _Phase.TRAINING or self._step is not None:
             return
-        if self._burst_steps >= c.steps_per_burst:
+        if self._burst_steps_left() <= 0:
             return
         if c.mode is Mode.ASYNC:
             if any(self._cells[i] is not CellState.TRAINING for i in range(c.async_training_cells)):

@@ -125,7 +125,7 @@ class Simulation:
         self.cfg = config
         self.workload = workload
         self.params = params
-        self.sched = Scheduler(config)
+        self.sched = Scheduler(config, total_steps=params.steps)
         self.rng = random.Random(params.seed)
         self.event_log = event_log
         self.progress = progress
