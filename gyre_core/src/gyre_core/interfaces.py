@@ -323,7 +323,7 @@ class TrainingSide(Protocol):
 @runtime_checkable
 class StepRecovery(Protocol):
     """An optional capability of a training side: a satellite's death does not end the run.
-    Checked once, when the run starts; without it a failed step fails the run."""
+    The live run tests for it with ``isinstance``; without it a failed step fails the run."""
 
     def resume_step(self, step: int) -> tuple[Any, Callable[[], Sequence[Mapping[str, Any]]]]:
         """After ``close_stream`` failed: finish ``step`` on the surviving cells' kept gradients
@@ -342,7 +342,8 @@ class StepRecovery(Protocol):
 @runtime_checkable
 class Checkpointing(Protocol):
     """An optional capability of the core's training side: training state kept after each step,
-    for ``--resume``. Checked once, when the run starts; without it the run keeps no checkpoints."""
+    for ``--resume``. The live run tests for it with ``isinstance``; without it the run keeps no
+    checkpoints."""
 
     def save_checkpoint(self, path: str) -> None:
         """Persist the training state after a step (weights, optimizer, version) under ``path``."""
