@@ -6,9 +6,12 @@ the prompt names (turn 1), then answer with the code the tool returned (turn 2).
 asks for another entry gets that entry's code, so copying the wrong name, or answering without
 reading the result, scores 0. Reward: 1 when the final answer's first number is the entry's code.
 
-    python benchmarks/lookup/make_tasks.py [--train 512] [--eval 64] [--seed 0]
+    python benchmarks/lookup/make_tasks.py [--train 512] [--eval 64] [--sft 512] [--seed 0]
 
-writes ``train.jsonl`` and ``eval.jsonl`` beside this file (disjoint (name, code) pairs in the two).
+writes ``train.jsonl`` and ``eval.jsonl`` beside this file (disjoint (name, code) pairs in the two),
+and ``sft.jsonl``, the warm start's demonstrations, whose asked pairs are in neither: a warm start
+fine-tuned on the RL tasks themselves remembers their codes, and RL then raises the train reward
+by recalling them (the held-out pass rate, which needs the tool result read, stays flat).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--train", type=int, default=512)
     ap.add_argument("--eval", type=int, default=64)
+    ap.add_argument("--sft", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent)
     a = ap.parse_args()
@@ -53,10 +57,16 @@ def main() -> None:
         r = make_record(rng)
         if (r["name"], r["answer"]) not in seen:
             train.append(r)
+    used = seen | {(r["name"], r["answer"]) for r in train}
+    sft: list[dict[str, Any]] = []
+    while len(sft) < a.sft:  # drawn after the two above, so they stay as they were
+        r = make_record(rng)
+        if (r["name"], r["answer"]) not in used:
+            sft.append(r)
     a.out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train.jsonl", train), ("eval.jsonl", held)):
+    for name, rows in (("train.jsonl", train), ("eval.jsonl", held), ("sft.jsonl", sft)):
         (a.out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(json.dumps({"train": len(train), "eval": len(held), "out": str(a.out)}))
+    print(json.dumps({"train": len(train), "eval": len(held), "sft": len(sft), "out": str(a.out)}))
 
 
 if __name__ == "__main__":

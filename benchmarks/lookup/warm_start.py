@@ -2,10 +2,12 @@
 fine-tuning on generated demonstrations, so RL starts from a policy that sometimes succeeds.
 
 A tiny Qwen2 (:func:`gyre_core.tiny_model.build_tiny_model`, its tokenizer trained here) is
-fine-tuned on the train records' two-turn demonstrations (``lookup <name>``; then the code the tool
-returned), loss on the assistant turns only, with AdamW on the CPU. Every ``--eval-every`` steps the
-held-out pass rate is measured the way a run scores it: the harness's two turns
-(:mod:`agent`), sampled at temperature 1, scored by :mod:`reward`. Training stops at the first
+fine-tuned on two-turn demonstrations (``lookup <name>``; then the code the tool returned), loss on
+the assistant turns only, with AdamW on the CPU. The demonstrations are ``sft.jsonl``'s, whose
+asked (name, code) pairs the RL train and held-out sets do not hold: fine-tuned on the RL tasks
+themselves, the model remembers their codes, and RL raises the train reward by recall alone.
+Every ``--eval-every`` steps the held-out pass rate is measured the way a run scores it: the
+harness's two turns (:mod:`agent`), sampled at temperature 1, scored by :mod:`reward`. Training stops at the first
 evaluation whose pass rate reaches ``--target`` (or after ``--max-steps``) and the model is saved
 with its tokenizer and chat template: a ``model.dir`` for ``gyre-orchestrate run``.
 
@@ -98,7 +100,8 @@ def pass_rate(model: Any, tok: Any, records: list[dict[str, Any]], seed: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--train", type=Path, default=HERE / "train.jsonl")
+    ap.add_argument("--train", type=Path, default=HERE / "sft.jsonl",
+                    help="demonstrations (default: sft.jsonl, whose asked pairs RL never trains or evaluates on)")
     ap.add_argument("--eval", type=Path, default=HERE / "eval.jsonl")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
