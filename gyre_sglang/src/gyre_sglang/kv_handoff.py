@@ -19,14 +19,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from gyre_core.interfaces import EngineError, EngineUnreachable, GenerateResult
+from gyre_core.interfaces import EngineClient, EngineError, EngineUnreachable, GenerateResult
 
-if TYPE_CHECKING:  # the client calls into this module: only its type is named here
-    from gyre_sglang.client import SGLangClient
+__all__ = ["DestinationUnreachable", "EngineRoutes", "HandOffError", "HandOffResult", "continue_on", "hand_off"]
 
-__all__ = ["DestinationUnreachable", "HandOffError", "HandOffResult", "continue_on", "hand_off"]
+
+class EngineRoutes(EngineClient, Protocol):
+    """What a hand-off needs of each engine's client (:class:`gyre_sglang.client.SGLangClient` is
+    one, and calls into this module): generation, and any route of Gyre's server plugin. Named
+    here so that this module does not import the client back."""
+
+    async def post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any: ...
+
+    async def get(self, path: str, *, timeout: float | None = None) -> Any: ...
 
 
 class HandOffError(RuntimeError):
@@ -60,7 +67,7 @@ class HandOffResult:
     total_s: float = 0.0
 
 
-async def _release(source: SGLangClient, handle: str) -> None:
+async def _release(source: EngineRoutes, handle: str) -> None:
     try:
         await source.post("/gyre/kv/release", {"handle": handle})
     except EngineError:
@@ -68,8 +75,8 @@ async def _release(source: SGLangClient, handle: str) -> None:
 
 
 async def hand_off(
-    source: SGLangClient,
-    dest: SGLangClient,
+    source: EngineRoutes,
+    dest: EngineRoutes,
     rid: str,
     *,
     timeout: float = 30.0,
@@ -159,7 +166,7 @@ async def hand_off(
 
 
 async def continue_on(
-    dest: SGLangClient,
+    dest: EngineRoutes,
     prompt_ids: Sequence[int],
     partial: GenerateResult,
     sampling_params: Mapping[str, Any],
