@@ -110,6 +110,17 @@ def run_mode(label: str, seed: int, sets: dict[str, Any], a: argparse.Namespace,
             "role_switches": len(s.get("role_switches", [])), "executions": s["executions"], "out": str(out)}
 
 
+def times_to_target(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each mode's time to the target by seed, and Gyre's speedup on each other mode by seed
+    (where both runs of that seed reached it)."""
+    ttt = {m: {r["seed"]: r["time_to_target_s"] for r in rs} for m, rs in runs.items()}
+    gyre = ttt.get("gyre", {})
+    speedup = {f"gyre_vs_{m}": {seed: (round(t / gyre[seed], 3) if t and gyre.get(seed) else None)
+                                for seed, t in ts.items() if seed in gyre}
+               for m, ts in ttt.items() if m != "gyre" and gyre}
+    return ttt, speedup
+
+
 def best_async(splits: list[dict[str, Any]]) -> dict[str, Any]:
     """The split that reached the target first; if none did, the one whose run ended first."""
     reached = [r for r in splits if r["time_to_target_s"] is not None]
@@ -179,6 +190,7 @@ def main() -> int:
     print(f"burst search: Gyre φ={phi_g:g}, μ={mu_g} at E[d]={a.staleness:g}", file=sys.stderr, flush=True)
     runs: dict[str, list[dict[str, Any]]] = {}
     splits_seen: dict[str, Any] = {}
+    failures: list[dict[str, Any]] = []
     for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
         phi, mu = (phi_g, mu_g) if mode == "gyre" else solve_burst(mode, a.staleness)
         sets = {"scheduler.mode": mode, "scheduler.extra_dispatch": float(phi), "scheduler.steps_per_burst": mu}
@@ -188,32 +200,32 @@ def main() -> int:
             done = []
             for label, s in variants:
                 print(f"running {label} seed {seed} (φ={phi:g}, μ={mu}) ...", file=sys.stderr, flush=True)
-                r = run_mode(label, seed, s, a, trace, timeout_s)
+                try:
+                    r = run_mode(label, seed, s, a, trace, timeout_s)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still count
+                    failures.append({"label": label, "seed": seed, "error": str(e)[-2000:]})
+                    print(f"{label} seed {seed} failed: {str(e)[-500:]}", file=sys.stderr, flush=True)
+                    continue
                 print(json.dumps({k: r[k] for k in ("label", "seed", "time_to_target_s", "run_s", "held_out")}),
                       file=sys.stderr, flush=True)
                 done.append(r)
+            if not done:
+                continue
             best = best_async(done) if mode == "async" else done[0]
             if mode == "async":
                 splits_seen[str(seed)] = {r["label"]: r["time_to_target_s"] for r in done}
             runs.setdefault(mode, []).append(best)
 
-    def per_mode(key: str) -> dict[str, list[Any]]:
-        return {m: [r[key] for r in rs] for m, rs in runs.items()}
-
-    ttt = per_mode("time_to_target_s")
-    speedup: dict[str, Any] = {}
-    if "gyre" in ttt:
-        for m, ts in ttt.items():
-            if m != "gyre":
-                speedup[f"gyre_vs_{m}"] = [round(t / g, 3) if t and g else None for t, g in zip(ts, ttt["gyre"])]
+    ttt, speedup = times_to_target(runs)
     result: dict[str, Any] = {
         "benchmark": "time_to_reward", "task": "lookup", "seeds": a.seeds, "steps": a.steps, "target": a.target,
         "time_scale": a.time_scale, "staleness": a.staleness, "harness_timeout_s": timeout_s,
         "job": shape, "warm_start": {k: start[k] for k in ("pass_rate", "steps", "hidden", "layers")},
         "gyre_burst": {"phi": phi_g, "mu": mu_g}, "async_splits": splits_seen,
-        "time_to_target_s": ttt, "speedup_to_target": speedup, "run_s": per_mode("run_s"),
+        "time_to_target_s": ttt, "speedup_to_target": speedup,
+        "run_s": {m: {r["seed"]: r["run_s"] for r in rs} for m, rs in runs.items()},
         "held_out_per_version": {m: [{v: x for v, _, x in r["held_out"]} for r in rs] for m, rs in runs.items()},
-        "runs": runs,
+        "runs": runs, "failures": failures,
     }
     if "gyre" in runs:
         p = cli("simulate", "--calibrate-from", runs["gyre"][0]["out"], "--modes", ",".join(runs), "--json",
