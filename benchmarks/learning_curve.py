@@ -140,15 +140,9 @@ def run_lookup(kind: str, seed: int, model: Path, args: argparse.Namespace) -> d
     # the true reward of each step's trained executions (the control trains on shuffled ones)
     orch = parts["orchestrator"]
     true = control.true if control else {e: x.reward for e, x in orch._execs.items()}
-    curve = []
-    for rec in summary["step_records"]:
-        rs = [true[e] for g in rec["groups"] for e in orch._group_members(g)
-              if orch._execs[e].fate == "trained" and true.get(e) is not None]
-        curve.append(round(sum(rs) / len(rs), 4) if rs else float("nan"))
-    k = max(1, min(5, len(curve) // 2))
+    curve = _true_rewards_per_step(summary, orch, true.get)
     result = {"eval_pass_rate": evals, "rise": round(evals[-1][1] - evals[0][1], 4),
-              "true_train_reward_per_step": curve,
-              "train_rise": round(sum(curve[-k:]) / k - sum(curve[:k]) / k, 4),
+              "true_train_reward_per_step": curve, "train_rise": round(_rise(curve)[0], 4),
               "lr": cfg.training.lr, "steps": cfg.run.steps,
               "clip_fraction": [r["clip_fraction"] for r in summary["step_records"]],
               "wall_s": round(time.monotonic() - t0, 1)}
@@ -177,17 +171,14 @@ def lookup_main(args: argparse.Namespace) -> dict[str, Any]:
             "runs": runs, "held_out_rise": arms("rise"), "train_rise": arms("train_rise")}
 
 
-def _true_rewards_per_step(summary: dict[str, Any], orch: Any, out: Path) -> list[float]:
-    from gyre_core.tasks.digits import score_workspace
-
+def _true_rewards_per_step(summary: dict[str, Any], orch: Any, score_of: Any) -> list[float]:
+    """Per step, the mean true score (``score_of(execution_id)``; None: unscored) of its trained
+    executions."""
     curve = []
     for rec in summary["step_records"]:
-        scores = []
-        for g in rec["groups"]:
-            for eid in orch._group_members(g):
-                if orch._execs[eid].fate == "trained":
-                    scores.append(score_workspace(out / "executions" / f"e{eid:05d}")[0])
-        curve.append(sum(scores) / len(scores) if scores else float("nan"))
+        scores = [score_of(e) for g in rec["groups"] for e in orch._group_members(g) if orch._execs[e].fate == "trained"]
+        scores = [x for x in scores if x is not None]
+        curve.append(round(sum(scores) / len(scores), 4) if scores else float("nan"))
     return curve
 
 
@@ -214,7 +205,10 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     parts: dict[str, Any] = {}
     t0 = time.monotonic()
     summary = run_live(cfg, lambda m: None, plugins=plugins, on_started=parts.update)
-    curve = _true_rewards_per_step(summary, parts["orchestrator"], out)
+    from gyre_core.tasks.digits import score_workspace
+
+    curve = _true_rewards_per_step(summary, parts["orchestrator"],
+                                   lambda e: score_workspace(out / "executions" / f"e{e:05d}")[0])
     rise, se = _rise(curve)
     return {"true_reward_per_step": [round(x, 4) for x in curve], "rise": round(rise, 4), "se": round(se, 4),
             "rewards_trained_on": summary["rewards"], "losses": summary["losses"],
@@ -225,7 +219,7 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", choices=("lookup", "digits"), default="lookup")
-    ap.add_argument("--steps", type=int, default=None, help="default: the job's (lookup 30), 20 for digits")
+    ap.add_argument("--steps", type=int, default=None, help="default: the job's (lookup 20), 20 for digits")
     ap.add_argument("--lr", type=float, default=None, help="default: the job's (lookup 1e-4), 1e-2 for digits")
     ap.add_argument("--seed", type=int, default=0, help="digits: the one seed")
     ap.add_argument("--seeds", default="0,1,2", help="lookup: the seeds, each a real and a control run")

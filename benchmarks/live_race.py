@@ -70,12 +70,12 @@ backends = []
 """
 
 
-def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gyre_core.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def burst_search(a: argparse.Namespace, trace: Path, root: Path) -> tuple[float, int, dict[str, Any]]:
+def burst_search(a: Any, trace: Path, root: Path, rho_min: float = 0.5) -> tuple[float, int, dict[str, Any]]:
     """Gyre's (φ, μ) at the target E[d], chosen by simulation on the scaled trace."""
     from gyre_core.simulator.workload import ExecutionRecord, load_trace, with_default_tokens, write_trace
 
@@ -84,7 +84,7 @@ def burst_search(a: argparse.Namespace, trace: Path, root: Path) -> tuple[float,
                  for r in with_default_tokens(load_trace(trace))], scaled)
     p = cli("simulate", "--trace", str(scaled), "--modes", "gyre", "--auto-burst", "--staleness", str(a.staleness),
             "--cells", str(a.cells), "--cell-capacity", str(a.capacity), "--standalone-capacity", "0",
-            "--group-size", str(a.n), "--groups-per-step", str(a.b), "--rho-min", "0.5", "--tau", "0.5",
+            "--group-size", str(a.n), "--groups-per-step", str(a.b), "--rho-min", str(rho_min), "--tau", "0.5",
             "--train-minutes", str(a.step_s / 60.0), "--publication-s", "0.3", "--steps", str(a.steps),
             "--seed", str(a.seed), "--json", "--quiet", timeout=600)
     if p.returncode != 0:

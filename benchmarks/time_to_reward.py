@@ -33,21 +33,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import live_race  # noqa: E402  (a sibling script: its CLI runner and burst search)
 LOOKUP = ROOT / "benchmarks" / "lookup"
 COLORS = {"gyre": "tab:blue", "async": "tab:orange", "colocate": "tab:green"}
 
 
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gyre_core.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """``gyre-orchestrate`` from the repository root (the lookup job's paths are relative to it)."""
+    return live_race.cli(*args, timeout=timeout, cwd=ROOT)
 
 
 def job_shape() -> dict[str, Any]:
@@ -56,25 +58,15 @@ def job_shape() -> dict[str, Any]:
 
     s = tomllib.loads((LOOKUP / "job.toml").read_text())["scheduler"]
     return {"cells": int(s["cells"]), "capacity": int(s["cell_capacity"]), "n": int(s["group_size"]),
-            "b": int(s["groups_per_step"])}
+            "b": int(s["groups_per_step"]), "rho_min": float(s["rho_min"])}
 
 
 def gyre_burst(a: argparse.Namespace, trace: Path, shape: dict[str, Any]) -> tuple[float, int]:
-    """Gyre's (φ, μ) at the target E[d], by simulation on the scaled trace."""
-    from gyre_core.simulator.workload import ExecutionRecord, load_trace, with_default_tokens, write_trace
-
-    scaled = Path(a.out) / "trace-scaled.jsonl"
-    write_trace([ExecutionRecord(r.query, r.duration_s * a.time_scale, r.outcome, r.tokens)
-                 for r in with_default_tokens(load_trace(trace))], scaled)
-    p = cli("simulate", "--trace", str(scaled), "--modes", "gyre", "--auto-burst", "--staleness", str(a.staleness),
-            "--cells", str(shape["cells"]), "--cell-capacity", str(shape["capacity"]), "--standalone-capacity", "0",
-            "--group-size", str(shape["n"]), "--groups-per-step", str(shape["b"]), "--rho-min", "0.25",
-            "--tau", "0.5", "--train-minutes", str(a.step_s / 60.0), "--publication-s", "0.3",
-            "--steps", str(a.steps), "--seed", str(a.seeds[0]), "--json", "--quiet", timeout=600)
-    if p.returncode != 0:
-        raise RuntimeError(f"burst search failed: {p.stderr[-2000:]}")
-    g = json.loads(p.stdout)["modes"]["gyre"]
-    return float(g["phi"]), int(g["mu"])
+    """Gyre's (φ, μ) at the target E[d], by the live race's burst search on the scaled trace."""
+    job = SimpleNamespace(**shape, time_scale=a.time_scale, staleness=a.staleness, step_s=a.step_s,
+                          steps=a.steps, seed=a.seeds[0])
+    phi, mu, _ = live_race.burst_search(job, trace, Path(a.out), rho_min=shape["rho_min"])
+    return phi, mu
 
 
 def time_to_target(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -174,7 +166,6 @@ def main() -> int:
     from gyre_core.scheduler.burst import solve_burst
     from gyre_core.simulator.workload import PAPER_122B, synthesize_trace, write_trace
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from learning_curve import warm_start
 
     root = Path(a.out).resolve()

@@ -135,17 +135,15 @@ class ExecutionsMixin:
         if relaunch and workdir.exists():  # a crashed attempt: keep it for inspection, start clean
             workdir.rename(workdir.with_name(f"{workdir.name}.crashed-{int(time.time())}"))
         extra = self._harness_extra(inst)
-        if self.cfg.harness.kind == "replay":
+        if self.replay_plan is not None:  # replay, or paced: the recorded execution this one takes
             members = self._group_members(cmd.group_id)  # in dispatch order; refills come last
-            extra["replay"] = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id),
-                                                      len(members)).as_extra()
-            extra["replay"]["calls"] = self.cfg.harness.replay_calls
-            extra["replay"]["context_tokens"] = min(extra["replay"]["context_tokens"], self._replay_context_cap())
-            extra["replay"]["tokens_per_word"] = self._replay_tokens_per_word()
-        elif self.cfg.harness.paced:  # the recorded duration, for the harness to wait out
-            members = self._group_members(cmd.group_id)
-            pace = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id), len(members))
-            extra["env"] = {**dict(extra.get("env") or {}), "GYRE_PACE_S": repr(pace.duration_s)}
+            recorded = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id), len(members))
+            if self.cfg.harness.kind == "replay":
+                extra["replay"] = {**recorded.as_extra(), "calls": self.cfg.harness.replay_calls,
+                                   "context_tokens": min(recorded.context_tokens, self._replay_context_cap()),
+                                   "tokens_per_word": self._replay_tokens_per_word()}
+            else:  # its duration, for the harness to wait out
+                extra["env"] = {**dict(extra.get("env") or {}), "GYRE_PACE_S": repr(recorded.duration_s)}
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(workdir), proxy_base_url=self.proxy_url, api_key=key,
             harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
