@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Mapping, Sequence
 
 from gyre_core.interfaces import PhaseTiming, WeightsRef
@@ -24,7 +25,9 @@ from gyre_core.interfaces import PhaseTiming, WeightsRef
 __all__ = ["MegatronTrainingSide", "shutdown_worlds"]
 
 _worlds: dict[tuple[Any, ...], Any] = {}
-_queue_of: dict[tuple[int, int], int] = {}  # (id(world), step) -> queue index
+# world -> {step (or -1 - step for a redo): queue index}. Keyed by the world object itself, not its
+# id(): a later world can reuse a closed one's id, and would then stream into its closed queues.
+_queue_of: "weakref.WeakKeyDictionary[Any, dict[int, int]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -85,6 +88,7 @@ def shutdown_worlds() -> None:
     with _lock:
         for w in _worlds.values():
             w.close()
+            _queue_of.pop(w, None)
         _worlds.clear()
 
 
@@ -109,10 +113,10 @@ class MegatronTrainingSide:
 
     def _queue_index(self, step: int) -> int:
         with _lock:
-            key = (id(self.world), step)
-            if key not in _queue_of:
-                _queue_of[key] = self.world.alloc_queue()
-            return _queue_of[key]
+            steps = _queue_of.setdefault(self.world, {})
+            if step not in steps:
+                steps[step] = self.world.alloc_queue()
+            return steps[step]
 
     def micro_step_queue(self, step: int) -> Any:
         """The queue training step ``step`` streams through (shared by all cells)."""
@@ -172,9 +176,9 @@ class MegatronTrainingSide:
         if self.cell == 0:
             qi = self.world.alloc_queue()
             with _lock:
-                _queue_of[(id(self.world), -1 - step)] = qi
+                _queue_of.setdefault(self.world, {})[-1 - step] = qi
         else:
-            qi = _queue_of[(id(self.world), -1 - step)]
+            qi = _queue_of[self.world][-1 - step]
         ticket = self.world.submit(self.ranks, "resume_step", step, qi, self._final(step))
         return self.world.queues[qi], lambda: self.world.wait(ticket, self.timeout_s)
 
