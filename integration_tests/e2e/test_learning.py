@@ -1,13 +1,17 @@
 """A live run learns, and a later run starts from what it learnt.
 
 Run 1: ``gyre-orchestrate run`` (in process) on the built-in ``digits`` task, the ``reply``
-harness, 16 GSPO steps. The evidence is not the run's own noisy per-step means but the two
-policies themselves: 256 replies sampled (temperature 1) from the version-0 weights and from the
-run's ``checkpoint/``, with HF transformers, scored by the task's own scorer. With 256 samples the
-standard error of each mean is about 0.01, so the required gain (more than 3 standard errors of the
-difference, one-sided p ≈ 0.001 if nothing was learnt) does not come from sampling noise. The run
-itself varies more: gains of 0.034, 0.068 and 0.135 were measured on the same code (se 0.009-0.010),
-so a margin of 6 standard errors failed on a run that had learnt.
+harness, 16 GSPO steps, on-policy (φ = 0). The evidence is not the run's own noisy per-step means
+but the two policies themselves: 256 replies sampled (temperature 1) from the version-0 weights
+and from the run's ``checkpoint/``, with HF transformers, scored by the task's own scorer. With 256
+samples the standard error of each mean is about 0.01, so the required gain (more than 3 standard
+errors of the difference, one-sided p ≈ 0.001 if nothing was learnt) does not come from sampling
+noise.
+
+Why on-policy: with the small job's φ = 1 most executions ran one version behind, and at lr 1e-2
+GSPO's [0.995, 1.005] ratio clip dropped up to 88% of them from the gradient; the gain then varied
+from run to run between 0.013 and 0.135 on the same code, and the smallest failed the margin. On
+policy nothing is clipped for staleness: 0.277 → 0.460 (se 0.010).
 
 Run 2: a one-step run with ``model.dir`` = run 1's ``checkpoint/``: its version 0 (what the engines
 serve, exported by the trainer after the import) holds exactly the checkpoint's weights.
@@ -58,7 +62,8 @@ def test_a_run_learns_the_digits_task_and_a_later_run_starts_from_its_checkpoint
     from gyre_core.orchestrator.run_config import load_run_config
     from gyre_core.tasks.digits import DigitsInstance
 
-    common = {"task.name": '"digits"', "harness.kind": '"reply"', "training.lr": 1e-2}
+    common = {"task.name": '"digits"', "harness.kind": '"reply"', "training.lr": 1e-2,
+              "scheduler.extra_dispatch": 0.0}  # on-policy: no execution is clipped for staleness
     out1 = tmp_path / "run1"
     s1 = run_live(load_run_config(SMALL_JOB, {**common, "run.out_dir": str(out1), "run.steps": 16}), lambda m: None)
     assert s1["status"] == "ok" and s1["steps"] == 16
