@@ -42,7 +42,7 @@ from gyre_core.orchestrator.evaluation import HeldOutEvaluation
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live_cells import CellHandles, CellsMixin, StandaloneHandles
-from gyre_core.orchestrator.live_executions import ExecutionsMixin, _Execution, _jsonable
+from gyre_core.orchestrator.live_executions import ExecutionsMixin, LiveExecution, _jsonable
 from gyre_core.orchestrator.live_resume import ResumeMixin
 from gyre_core.orchestrator.live_steps import StepsMixin, _Step
 from gyre_core.orchestrator.run_config import RunConfig
@@ -119,7 +119,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                                          whole_executions=cfg.dataplane.whole_executions)
         self._events: asyncio.Queue[ev.Event] = asyncio.Queue()
         self._t0 = clock()
-        self._execs: dict[int, _Execution] = {}
+        self._execs: dict[int, LiveExecution] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         self.replay_plan: Any = None
         """``harness.kind = "replay"`` or ``harness.paced``: which recorded execution each execution

@@ -26,7 +26,9 @@ log = logging.getLogger("gyre.orchestrator")
 
 
 @dataclass
-class _Execution:
+class LiveExecution:
+    """One execution as the live run tracks it: where it runs, how it ended, what became of it."""
+
     group_id: int
     spec: ExecutionSpec | None = None
     handle: Any = None
@@ -122,7 +124,7 @@ class ExecutionsMixin:
                 raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
             self._groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}
         for eid in cmd.execution_ids:
-            self._execs[eid] = _Execution(cmd.group_id)
+            self._execs[eid] = LiveExecution(cmd.group_id)
 
     async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
         ex = self._execs[cmd.execution_id]
@@ -256,7 +258,7 @@ class ExecutionsMixin:
             self._emit(answer)
             await asyncio.sleep(max(0.0, min(5.0, timeout, self.ledger.deadline(eid) - self.now())))
 
-    def _start_harness(self, ex: _Execution, spec: ExecutionSpec) -> Any:
+    def _start_harness(self, ex: LiveExecution, spec: ExecutionSpec) -> Any:
         """Launch (worker thread). The handle is recorded before the fate is read again, so a
         cancellation or the run's end either finds it and kills it, or was seen here first."""
         handle = self.pm.hook.gyre_launch_harness(spec=spec)

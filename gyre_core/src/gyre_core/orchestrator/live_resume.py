@@ -13,7 +13,7 @@ from gyre_core.dataplane.assessment import EvalState
 from gyre_core.dataplane.trajectory_buffer import ScoredExecution
 from gyre_core.interfaces import Assessment
 from gyre_core.orchestrator.journal import Replay, event_from_json, selected_from_json, tree_from_json
-from gyre_core.orchestrator.resume_commands import ReplayCommands
+from gyre_core.orchestrator.resume_commands import DataPlaneActions, ReplayCommands
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.commands import carry_out
 from gyre_core.scheduler.events import Outcome, Role
@@ -48,7 +48,10 @@ class ResumeMixin:
         evaluated: set[int] = set()
         verdict_fed: set[int] = set()  # executions whose EvaluationValid / final Unresolved was fed
 
-        replayed = ReplayCommands(self, launched, cancels, pending_role, steps)
+        actions = DataPlaneActions(dispatch=self._dispatch, account_group=self._account_group,
+                                   short_group=self._short_group, register_deadline=self.ledger.register)
+        replayed = ReplayCommands(self._execs, actions, self.cfg.harness.overall_budget_s,
+                                  launched, cancels, pending_role, steps)
         for rec in replay.order:
             kind = rec["kind"]
             if kind == "event":

@@ -7,28 +7,48 @@ what they leave behind: which executions were launched or cancelled, which role 
 training steps were under way, which publication was pending. What is still in flight at the
 end of the journal is then redone by the orchestrator. Dispatching a group and the scheduler's
 decisions on short groups do act on the data plane, exactly as in a live run.
+
+It is handed what it may touch (the executions' records and four actions of the data plane),
+never the orchestrator itself, so replay cannot reach into the live run's other state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
+from gyre_core.orchestrator.live_executions import LiveExecution
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Role
 
-if TYPE_CHECKING:
-    from gyre_core.orchestrator.live import LiveOrchestrator
+__all__ = ["DataPlaneActions", "ReplayCommands"]
 
-__all__ = ["ReplayCommands"]
+
+@dataclass(frozen=True)
+class DataPlaneActions:
+    """What replaying the scheduler's commands does to the data plane, as in the live run."""
+
+    dispatch: Callable[[ev.DispatchGroup], None]
+    """Create a dispatched group's executions (and their records)."""
+    account_group: Callable[[int, str], None]
+    """Move a group's ended executions to a fate (``assigned`` to a step)."""
+    short_group: Callable[[ev.GroupDropped | ev.GroupFiltered], None]
+    """Carry out the scheduler's decision on a group short of valid rewards."""
+    register_deadline: Callable[[int, float], None]
+    """Give a launched execution its evaluation deadline (the assessment ledger's)."""
 
 
 class ReplayCommands:
     """A :class:`~gyre_core.scheduler.commands.CommandHandler` for journal replay; ``t`` is the
     journalled time of the event whose commands are being replayed."""
 
-    def __init__(self, live: "LiveOrchestrator", launched: dict[int, ev.Launch], cancels: set[int],
-                 pending_role: dict[int, Role], steps: dict[int, dict[str, Any]]) -> None:
-        self.live = live
+    def __init__(self, execs: Mapping[int, LiveExecution], actions: DataPlaneActions, budget_s: float,
+                 launched: dict[int, ev.Launch], cancels: set[int], pending_role: dict[int, Role],
+                 steps: dict[int, dict[str, Any]]) -> None:
+        self.execs = execs
+        self.actions = actions
+        self.budget_s = budget_s
+        """The harness's overall budget: a launched execution must be assessed by launch + this."""
         self.launched = launched
         self.cancels = cancels
         self.pending_role = pending_role
@@ -37,21 +57,20 @@ class ReplayCommands:
         self.t = 0.0
 
     def on_dispatch_group(self, cmd: ev.DispatchGroup) -> None:
-        self.live._dispatch(cmd)
+        self.actions.dispatch(cmd)
 
     def on_launch(self, cmd: ev.Launch) -> None:
-        live = self.live
         self.launched[cmd.execution_id] = cmd
-        ex = live._execs[cmd.execution_id]
+        ex = self.execs[cmd.execution_id]
         ex.engine, ex.launched_on, ex.launched_at, ex.fate = cmd.engine, cmd.engine, self.t, "running"
-        live.ledger.register(cmd.execution_id, self.t + live.cfg.harness.overall_budget_s)
+        self.actions.register_deadline(cmd.execution_id, self.t + self.budget_s)
 
     def on_cancel(self, cmd: ev.Cancel) -> None:
-        self.live._execs[cmd.execution_id].fate = "cancelled"
+        self.execs[cmd.execution_id].fate = "cancelled"
         self.cancels.add(cmd.execution_id)
 
     def on_reroute(self, cmd: ev.Reroute) -> None:
-        self.live._execs[cmd.execution_id].engine = cmd.destination
+        self.execs[cmd.execution_id].engine = cmd.destination
 
     def on_cell_to_training(self, cmd: ev.CellToTraining) -> None:
         self.pending_role[cmd.cell] = Role.TRAINING
@@ -68,7 +87,7 @@ class ReplayCommands:
     def on_assign_group(self, cmd: ev.AssignGroup) -> None:
         self.steps[cmd.step]["groups"].append(cmd.group_id)
         self.steps[cmd.step]["staleness"].append(cmd.staleness)
-        self.live._account_group(cmd.group_id, "assigned")
+        self.actions.account_group(cmd.group_id, "assigned")
 
     def on_close_stream(self, cmd: ev.CloseStream) -> None:
         self.steps[cmd.step]["closed"] = True
@@ -77,7 +96,7 @@ class ReplayCommands:
         self.publish_pending = cmd.version
 
     def on_group_dropped(self, cmd: ev.GroupDropped) -> None:
-        self.live._short_group(cmd)
+        self.actions.short_group(cmd)
 
     def on_group_filtered(self, cmd: ev.GroupFiltered) -> None:
-        self.live._short_group(cmd)
+        self.actions.short_group(cmd)
