@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_core.dataplane.materialise import TrainingRow
+from gyre_core.dataplane.objective import GSPOConfig
 from gyre_core.dataplane.packing import MicroStep, Pack
 from gyre_core.interfaces import RoleClass
 from gyre_core.trajectory import TrajectoryRow
@@ -163,7 +164,7 @@ def test_a_micro_step_and_the_rank_options_cross_by_value() -> None:
             x, y = getattr(a.row, f), getattr(b.row, f)
             assert x.dtype == y.dtype and torch.equal(x, y)
         assert torch.equal(a.loss_weights, b.loss_weights)
-    opts = RankOptions(cells=3, pp=2, objective=(5.0, 0.1, 0.2), mooncake={"protocol": "tcp"})
+    opts = RankOptions(cells=3, pp=2, objective=GSPOConfig(5.0, 0.1, 0.2), mooncake={"protocol": "tcp"})
     assert decode(*encode(opts)) == opts
 
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from gyre_core.dataplane.objective import GSPOConfig
+
 __all__ = ["as_item", "microstep_to_item"]
 
 
@@ -82,11 +84,11 @@ def _outside_chunks(pack: Any, multiple: int = 1) -> list[dict[str, torch.Tensor
     return out
 
 
-def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, float] | None = None,
+def microstep_to_item(ms: Any, dp_rank: int = 0, objective: GSPOConfig | None = None,
                       multiple: int = 1) -> dict[str, Any]:
     """``{tokens, labels, loss_mask, behaviour_logprobs, advantages, exec_slots, n_executions,
-    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the GSPO settings
-    ``(token_weight_cap, clip_low, clip_high)`` (the paper's by default). A pack with parts of split
+    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the run's GSPO settings
+    (the paper's when absent). A pack with parts of split
     executions adds ``outside``: forward-only items of their other rows (``ratio_only``), which
     the stream runs before this one to complete each execution's ratio. Widths are padded to a
     ``multiple`` of tokens (weight 0)."""
@@ -97,13 +99,13 @@ def microstep_to_item(ms: Any, dp_rank: int = 0, objective: tuple[float, float, 
     item: dict[str, Any] = {**_padded(rows, multiple), "n_executions": torch.tensor(int(pack.n_executions)),
                             "index": torch.tensor(ms.index)}
     if objective is not None:
-        item["objective"] = torch.tensor(objective, dtype=torch.float64)
+        item["objective"] = objective
     if pack.outside:
         item["outside"] = _outside_chunks(pack, multiple)
     return item
 
 
-def as_item(obj: Any, objective: tuple[float, float, float] | None = None, multiple: int = 1) -> Any:
+def as_item(obj: Any, objective: GSPOConfig | None = None, multiple: int = 1) -> Any:
     """Claimed queue entries as schedule items: micro-steps converted, anything else as is."""
     if obj is not None and hasattr(obj, "packs") and hasattr(obj, "index"):
         return microstep_to_item(obj, objective=objective, multiple=multiple)

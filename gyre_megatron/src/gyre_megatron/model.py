@@ -286,8 +286,7 @@ def _gspo_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
         exec_slots=item["exec_slots"].reshape(-1),
         n_executions=int(item["n_executions"]),
     )
-    knobs = item.get("objective")
-    config = GSPOConfig(*map(float, knobs.tolist())) if knobs is not None else GSPOConfig()
+    config = item.get("objective") or GSPOConfig()
     loss, stats = microstep_objective(logprobs, batch, config, item.get("outside_sums"))
     n = (batch.loss_weights > 0).sum().to(torch.int)
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone(), **stats}

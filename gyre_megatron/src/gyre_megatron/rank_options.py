@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from gyre_core.dataplane.objective import GSPOConfig
 from gyre_megatron.model import ModelSpec
 
 __all__ = ["RankOptions"]
@@ -34,8 +35,9 @@ class RankOptions:
     """An HF checkpoint directory (a family of :mod:`gyre_megatron.families`) whose weights every
     cell starts from (empty: ``spec``'s seeded random init). ``spec`` must be
     :func:`gyre_megatron.hf_import.spec_from_hf_dir`'s."""
-    objective: tuple[float, float, float] = (5.0, 0.005, 0.005)
-    """GSPO settings for data-plane micro-steps: token weight cap, clip_low, clip_high."""
+    objective: GSPOConfig = GSPOConfig()
+    """GSPO settings for data-plane micro-steps (``training.importance_cap``, ``clip_low``,
+    ``clip_high``), built once from the run configuration and handed as is to every loss."""
     mooncake: Mapping[str, str] = field(default_factory=dict)
     """Each rank's Mooncake endpoint for satellite joins: ``protocol``, ``device``, ``host``
     (empty: every rank advertises its own node's address, see

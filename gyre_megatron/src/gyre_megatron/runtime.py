@@ -200,7 +200,7 @@ class CellRank(RankChecks):
 
                 q = self.queues[queue_idx]
                 multiple = self.opts.tp if self.config.sequence_parallel else 1
-                claim = lambda t: as_item(q.claim(t), tuple(self.opts.objective), multiple)  # noqa: E731
+                claim = lambda t: as_item(q.claim(t), self.opts.objective, multiple)  # noqa: E731
             else:
                 it = iter(list(items or []))
                 claim = lambda _t: next(it, None)  # noqa: E731

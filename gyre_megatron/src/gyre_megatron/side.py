@@ -32,6 +32,7 @@ _lock = threading.Lock()
 
 
 def _world_for(options: Mapping[str, Any]) -> Any:
+    from gyre_core.dataplane.objective import GSPOConfig
     from gyre_megatron.launch import World
     from gyre_megatron.model import ModelSpec
     from gyre_megatron.runtime import RankOptions
@@ -55,7 +56,7 @@ def _world_for(options: Mapping[str, Any]) -> Any:
                 side_timeout_s=float(options.get("side_timeout_s", 60.0)),
                 heartbeat_s=float(options.get("heartbeat_s", 0.5)),
                 normalise_by_tokens=bool(options.get("normalise_by_tokens", True)), init_from=init_from,
-                objective=tuple(float(x) for x in options.get("objective", (5.0, 0.005, 0.005))),  # type: ignore[arg-type]
+                objective=options.get("objective") or GSPOConfig(),
                 mooncake=dict(options.get("mooncake") or {}), log_dir=str(options.get("log_dir") or ""),
             )
             n_queues = int(options.get("max_steps", 16))

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from gyre_core.dataplane.objective import GSPOConfig
 from gyre_core.interfaces import EngineProcess, TrainingSide, WeightsRef
 from gyre_core.metrics.observers import close_observers, open_observers
 from gyre_core.config import ConfigError
@@ -285,7 +286,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                   "step_timeout_s": cfg.training.step_timeout_s, "data_timeout_s": cfg.training.collective_timeout_s,
                   # the GSPO objective's W_t already normalise per execution: no division by tokens
                   "normalise_by_tokens": False,
-                  "objective": (cfg.training.importance_cap, cfg.training.clip_low, cfg.training.clip_high)}
+                  "objective": GSPOConfig(token_weight_cap=cfg.training.importance_cap,
+                                          clip_low=cfg.training.clip_low, clip_high=cfg.training.clip_high)}
     # every Mooncake engine of the run (satellite joins, engine pulls) speaks one protocol; each
     # advertises its own node's address, found toward the control host on a cluster
     peer = cfg.cluster.control_host if cfg.cluster.launcher != "local" else ""
