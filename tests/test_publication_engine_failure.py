@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from gyre_core.interfaces import EngineError, WeightsRef
-from gyre_core.orchestrator.live_cells import CellHandles
+from gyre_core.orchestrator.live_cells import CellHandles, LiveCells
 from gyre_core.orchestrator.live_steps import StepsMixin
 from gyre_core.orchestrator.watchdog import EngineWatchdog, WatchdogGaveUp
 from gyre_core.proxy.routing import EngineRouter
@@ -78,19 +78,18 @@ class StandInOrchestrator(StepsMixin):
     def __init__(self, stuck_cell: int) -> None:
         self.t0 = time.monotonic()
         self.proxy = StandInProxy()
-        self.cells = []
+        handles = []
         for i in range(3):
             url = f"http://engine{i}"
             self.proxy.router.add_engine(StandInEngineClient(url), kind="cell", cell_index=i, capacity=4)  # type: ignore[arg-type]
             training = StandInCoreTraining() if i == 0 else None
-            self.cells.append(CellHandles(i, StandInServing(url, stuck=i == stuck_cell), training, url))  # type: ignore[arg-type]
-        self.proxy.router.slot("http://engine0").accepting = False
-        self._engine_role = ["training", "rollout", "rollout"]
-        self.standalone = None
+            handles.append(CellHandles(i, StandInServing(url, stuck=i == stuck_cell), training, url))  # type: ignore[arg-type]
+        self.events: list[Any] = []
+        self.cells = LiveCells(handles, None, proxy=self.proxy, now=self.now, emit=self._emit, record=lambda p: None)
+        self.cells.route_away(0)  # the core trains
         self.journal = None
         self.weights = WeightsRef(1, "v1")
         self.publications: list[dict[str, Any]] = []
-        self.events: list[Any] = []
         self.messages: list[str] = []
         self._publishing: int | None = 2
         self.started: list[str] = []
@@ -116,9 +115,6 @@ class StandInOrchestrator(StepsMixin):
 
     async def _export(self, version: int) -> WeightsRef:
         return WeightsRef(version, f"v{version}")
-
-    async def _cell_call(self, cell: int, fn: Any, *args: Any) -> Any:
-        return fn(*args)
 
 
 def _watchdog(orch: StandInOrchestrator, max_restarts: int = 2) -> EngineWatchdog:

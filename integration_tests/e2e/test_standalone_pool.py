@@ -70,6 +70,6 @@ def test_a_standalone_pool_serves_rollouts_never_switches_and_comes_back_when_ki
     assert r["cell"] == -1 and r["old_url"] == killed["url"] and r["new_url"] not in (None, killed["url"])
     assert r["back_at"] is not None and r["detected_at"] - killed["at"] < 3.0
     orch = parts["orchestrator"]
-    assert orch.standalone.engine_url == r["new_url"]
+    assert orch.cells.standalone.engine_url == r["new_url"]
     assert parts["proxy"].router.slot(r["new_url"]).kind == "standalone"
     assert (out / "engine-standalone.restart1.log").exists()

@@ -511,8 +511,8 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
     pubs = [(int(p["version"]), float(p["at_s"])) for p in orch.publications if "at_s" in p]
     joins = [(int(r["step"]), int(j["cell"]), float(j["at_s"])) for r in orch.step_records
              for j in r.get("joined_running", [])]
-    end = max([i[3] for i in orch.role_intervals] + [b for _, _, b in steps] + [t for _, t in pubs], default=0.0)
-    intervals = [(c, r, a, b) for c, r, a, b in orch.role_intervals]
+    end = max([i[3] for i in orch.cells.role_intervals] + [b for _, _, b in steps] + [t for _, t in pubs], default=0.0)
+    intervals = [(c, r, a, b) for c, r, a, b in orch.cells.role_intervals]
     try:
         write_role_timeline_svg(out / "role_timeline.svg", intervals, len(orch.cells), end,
                                 f"Gyre live run ({cfg.scheduler.mode.value}), {summary['steps']} steps",

@@ -17,7 +17,8 @@ group is consumed or dropped.
 Where each part lives: this module holds the loop, the clock, the event queue and one method
 per scheduler command (the :class:`~gyre_core.scheduler.commands.CommandHandler` interface the
 simulator implements too); what the commands set in motion is in ``live_executions`` (dispatch,
-launch, end, evaluation, cancel), ``live_cells`` (role switches, rerouting, KV hand-off),
+launch, end, evaluation, cancel), ``live_cells`` (the :class:`LiveCells` component: roles, role
+switches, rerouting, KV hand-off, the role timeline),
 ``live_steps`` (training steps and publications) and ``live_resume`` (journal replay, with
 ``resume_commands`` replaying the scheduler's commands as bookkeeping).
 """
@@ -41,7 +42,7 @@ from gyre_core.interfaces import WeightsRef
 from gyre_core.orchestrator.evaluation import HeldOutEvaluation
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
-from gyre_core.orchestrator.live_cells import CellHandles, CellsMixin, StandaloneHandles
+from gyre_core.orchestrator.live_cells import CellHandles, LiveCells, StandaloneHandles
 from gyre_core.orchestrator.live_executions import ExecutionsMixin, LiveExecution, _jsonable
 from gyre_core.orchestrator.live_resume import ResumeMixin
 from gyre_core.orchestrator.live_steps import StepsMixin, _Step
@@ -56,7 +57,7 @@ __all__ = ["CellHandles", "LiveOrchestrator", "RunFailed", "StandaloneHandles"]
 log = logging.getLogger("gyre.orchestrator")
 
 
-class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
+class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
     """Drive one run. ``cells[0]`` is the core. ``proxy`` is a
     :class:`~gyre_core.proxy.service.ProxyService` serving on ``proxy_url``; ``pm`` the plugin
     manager (harness launch and evaluation hooks); ``weights`` the version the engines serve at
@@ -85,11 +86,9 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             raise ValueError(f"{len(cells)} cells given, scheduler.cells = {cfg.scheduler.cells}")
         if (standalone is None) != (cfg.scheduler.standalone_capacity == 0):
             raise ValueError("a standalone engine is needed exactly when scheduler.standalone_capacity > 0")
-        self.standalone = standalone
         self.status = status
         """The live status line (None: no display, e.g. when the caller takes the progress lines)."""
         self.cfg = cfg
-        self.cells = list(cells)
         self.proxy = proxy
         self.proxy_url = proxy_url
         self.sandbox = dict(sandbox) if sandbox else None
@@ -119,6 +118,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                                          whole_executions=cfg.dataplane.whole_executions)
         self._events: asyncio.Queue[ev.Event] = asyncio.Queue()
         self._t0 = clock()
+        self.cells = LiveCells(cells, standalone, proxy=proxy, now=self.now, emit=self._emit, record=self._record_phase)
+        """The cells and the standalone pool: roles, switches, the role timeline."""
         self._execs: dict[int, LiveExecution] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         self.replay_plan: Any = None
@@ -132,13 +133,8 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self._steps: dict[int, _Step] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None
-        self._cell_locks = [asyncio.Lock() for _ in self.cells]
-        self._engine_role = ["rollout"] * len(self.cells)
         self._publishing: int | None = None
         # summary material
-        self.role_intervals: list[tuple[int, str, float, float]] = []
-        self._role_since = [(("rollout"), 0.0)] * len(self.cells)
-        self.role_switches: list[dict[str, Any]] = []
         self._metrics_switch_mark = 0
         """Role switches already reported to the metrics observers."""
         self._tool_output_rate: float | None = None
@@ -193,11 +189,10 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             self.event_log.write(json.dumps(rec, default=str) + "\n")
             self.event_log.flush()
 
-    def _set_role(self, cell: int, role: str) -> None:
-        prev, since = self._role_since[cell]
-        if self.now() > since:
-            self.role_intervals.append((cell, prev, since, self.now()))
-        self._role_since[cell] = (role, self.now())
+    def _record_phase(self, phase: Any) -> None:
+        """A phase of a role switch, for the observers and the event log."""
+        self.pm.hook.gyre_on_event(time=self.now(), event=phase)
+        self._log("phase", phase)
 
     # ------------------------------------------------------------------ main loop
 
@@ -234,9 +229,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             if ticker is not None:
                 ticker.cancel()
                 self.status.close()  # type: ignore[union-attr]
-        for cell, (role, since) in enumerate(self._role_since):
-            if self.now() > since:
-                self.role_intervals.append((cell, role, since, self.now()))
+        self.cells.close_timeline()
         if self.evaluation is not None:
             await self.evaluation.finish()  # the last version's, started at its publication
         return self.summary()
@@ -255,7 +248,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         snap = self.sched.snapshot()
         last = next((r["mean_reward"] for r in reversed(self.step_records) if r.get("mean_reward") is not None), None)
         return status_text(steps_done=snap.steps_done, steps_total=self.cfg.run.steps,
-                           cell_roles=[role for role, _ in self._role_since], running=snap.running,
+                           cell_roles=self.cells.roles(), running=snap.running,
                            ready_groups=len(self.buffer.ready()),
                            trained=sum(1 for ex in self._execs.values() if ex.fate == "trained"),
                            last_reward=last, elapsed_s=self.now())
@@ -278,9 +271,6 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
                 if low is not None:
                     self._emit(low)
 
-    # ------------------------------------------------------------------ resume
-
-
     # ------------------------------------------------------------------ commands
 
     def _execute(self, cmd: ev.Command) -> None:
@@ -300,16 +290,16 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         self._cancel(cmd.execution_id)
 
     def on_reroute(self, cmd: ev.Reroute) -> None:
-        self.proxy.router.pin(cmd.execution_id, self._engine_url(cmd.destination))
+        self.proxy.router.pin(cmd.execution_id, self.cells.engine_url(cmd.destination))
         self._execs[cmd.execution_id].engine = cmd.destination
 
     def on_cell_to_training(self, cmd: ev.CellToTraining) -> None:
-        self._set_role(cmd.cell, "to_training")
-        self._spawn(self._to_training(cmd.cell), f"cell {cmd.cell} to training")
+        self.cells.set_role(cmd.cell, "to_training")
+        self._spawn(self.cells.to_training(cmd.cell), f"cell {cmd.cell} to training")
 
     def on_cell_to_rollout(self, cmd: ev.CellToRollout) -> None:
-        self._set_role(cmd.cell, "to_rollout")
-        self._spawn(self._to_rollout(cmd.cell), f"cell {cmd.cell} to rollout")
+        self.cells.set_role(cmd.cell, "to_rollout")
+        self._spawn(self.cells.to_rollout(cmd.cell, self.weights), f"cell {cmd.cell} to rollout")
 
     def on_start_step(self, cmd: ev.StartStep) -> None:
         self._start_step(cmd)
@@ -319,7 +309,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
         st.cells.append(cmd.cell)
         st.joined_running[cmd.cell] = self.now()
         self.progress(f"cell {cmd.cell} joins running step {cmd.step} ({self.now() - st.started:.1f} s in)")
-        self._spawn(self._cell_call(cmd.cell, self.cells[cmd.cell].training.join_step, cmd.step),
+        self._spawn(self.cells.call(cmd.cell, self.cells[cmd.cell].training.join_step, cmd.step),
                     f"cell {cmd.cell} joining step {cmd.step}")
 
     def on_assign_group(self, cmd: ev.AssignGroup) -> None:
@@ -344,15 +334,6 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
 
     def on_group_filtered(self, cmd: ev.GroupFiltered) -> None:
         self._short_group(cmd)
-
-
-    # -- executions -----------------------------------------------------------------------------
-
-
-    # -- cells ----------------------------------------------------------------------------------
-
-
-    # -- training -------------------------------------------------------------------------------
 
 
     async def shutdown(self) -> None:
@@ -440,7 +421,7 @@ class LiveOrchestrator(ExecutionsMixin, CellsMixin, StepsMixin, ResumeMixin):
             "losses": [r.get("loss") for r in self.step_records],
             "grad_norms": [r.get("grad_norm") for r in self.step_records],
             "step_records": self.step_records,
-            "role_switches": self.role_switches,
+            "role_switches": self.cells.role_switches,
             "publications": self.publications,
             "executions": self.executions_summary(),
             "interrupted_calls": self._interrupted_calls(),

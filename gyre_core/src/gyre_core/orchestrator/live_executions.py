@@ -132,7 +132,7 @@ class ExecutionsMixin:
             return  # cancelled (or the run ended) before its launch got to run
         inst = self._groups[cmd.group_id]["instance"]
         eid, key = self.proxy.create_execution(cmd.execution_id, metadata={"group": cmd.group_id})
-        self.proxy.router.pin(eid, self._engine_url(cmd.engine))
+        self.proxy.router.pin(eid, self.cells.engine_url(cmd.engine))
         workdir = self.out_dir / "executions" / f"e{eid:05d}"
         if relaunch and workdir.exists():  # a crashed attempt: keep it for inspection, start clean
             workdir.rename(workdir.with_name(f"{workdir.name}.crashed-{int(time.time())}"))

@@ -133,12 +133,12 @@ class ResumeMixin:
         # Bring the fresh cells to the roles the scheduler believes in, then redo what was in flight.
         for cell, r in enumerate(role):
             if r == "training":
-                await self._physical_to_training(cell)
+                await self.cells.resume_in_training(cell)
         for cell, target in sorted(pending_role.items()):
             if target is Role.TRAINING:
-                self._spawn(self._to_training(cell), f"cell {cell} to training (resumed)")
+                self._spawn(self.cells.to_training(cell), f"cell {cell} to training (resumed)")
             else:
-                self._spawn(self._to_rollout(cell), f"cell {cell} to rollout (resumed)")
+                self._spawn(self.cells.to_rollout(cell, self.weights), f"cell {cell} to rollout (resumed)")
         for step, st in sorted(steps.items()):
             self._restart_step(step, st)
         if replayed.publish_pending is not None:

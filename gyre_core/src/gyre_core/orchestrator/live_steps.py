@@ -94,7 +94,7 @@ class StepsMixin:
         self.progress(f"step {cmd.step}: training on cells {list(cmd.cells)}")
         for cell in cmd.cells:
             fn = self.cells[cell].training.start_step if cell == 0 else self.cells[cell].training.join_step
-            self._spawn(self._cell_call(cell, fn, cmd.step), f"cell {cell} starting step {cmd.step}")
+            self._spawn(self.cells.call(cell, fn, cmd.step), f"cell {cell} starting step {cmd.step}")
 
     async def _close_streams(self, st: _Step) -> dict[int, list[dict[str, Any]]]:
         """Wait for every cell that trained in the step, the core last (it applies the update);
@@ -105,7 +105,7 @@ class StepsMixin:
         for cell in sorted(set(st.cells), reverse=True):
             side = self.cells[cell].training
             try:
-                await self._cell_call(cell, side.close_stream, st.step)
+                await self.cells.call(cell, side.close_stream, st.step)
             except StepFailed as e:
                 if cell == 0 and e.survivors == 0:
                     raise  # the core itself is gone: the run's journal resumes it
@@ -143,13 +143,13 @@ class StepsMixin:
             side = self.cells[cell].training
             if not isinstance(side, StepRecovery):
                 raise RunFailed(f"step {st.step} failed and cell {cell}'s backend cannot finish it: {failure}")
-            queue, wait = await self._cell_call(cell, side.resume_step, st.step)
+            queue, wait = await self.cells.call(cell, side.resume_step, st.step)
             if cell == 0:
                 redo_queue = queue
             waits.append((cell, wait))
         await asyncio.to_thread(st.packing.redo, indices, redo_queue)
         for cell, wait in waits:
-            infos[cell] = infos.get(cell, []) + list(await self._cell_call(cell, wait))
+            infos[cell] = infos.get(cell, []) + list(await self.cells.call(cell, wait))
         return len(indices)
 
     async def _restart_training(self, step: int, gone: list[int]) -> dict[str, Any]:
@@ -158,10 +158,7 @@ class StepsMixin:
         meanwhile (every cell's lock is held); cells settled in rollout then offload again."""
         core = self.cells[0].training
         restart = core.restart_ranks if isinstance(core, StepRecovery) else None
-        locks = list(self._cell_locks)
-        for lock in locks:
-            await lock.acquire()
-        try:
+        async with self.cells.all_held():
             try:
                 if restart is None:
                     raise NotImplementedError("the training backend cannot restart its ranks")
@@ -172,11 +169,8 @@ class StepsMixin:
                 log.warning("cells %s left out of training for the rest of the run: %s", gone, e)
                 return {"restarted": False, "reason": str(e)}
             for c in range(1, len(self.cells)):
-                if self._role_since[c][0] == "rollout":  # fresh ranks hold their training state
+                if self.cells.role(c) == "rollout":  # fresh ranks hold their training state
                     await asyncio.to_thread(self.cells[c].training.leave_training)
-        finally:
-            for lock in locks:
-                lock.release()
         self.progress(f"training ranks restarted after step {step} in {info.get('restart_s', 0.0):.1f} s; "
                       f"cells {gone} rejoin at later steps")
         return {"restarted": True, "restart_s": round(float(info.get("restart_s", 0.0)), 3)}
@@ -188,7 +182,7 @@ class StepsMixin:
         if save is not None and self.journal is not None:
             path = str(self.out_dir / "checkpoints" / f"step{st.step}")
             (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            await self._cell_call(0, save, path)
+            await self.cells.call(0, save, path)
             self.journal.write("checkpoint", step=st.step, path=path)
             self._checkpoints[st.step] = path
             for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.weights.version,
@@ -231,11 +225,11 @@ class StepsMixin:
     def _report_metrics(self, rec: dict[str, Any]) -> None:
         """The step's figures to the ``gyre_on_metrics`` observers (TensorBoard, W&B, plugins)."""
         mark = self._metrics_switch_mark
-        metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.role_switches[mark:],
+        metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.cells.role_switches[mark:],
                                interrupted_calls=self._interrupted_calls(),
                                publication=self.publications[-1] if self.publications else None,
                                call_stats=self.proxy.call_stats.drain())
-        self._metrics_switch_mark = len(self.role_switches)
+        self._metrics_switch_mark = len(self.cells.role_switches)
         try:
             self.pm.hook.gyre_on_metrics(step=int(rec["step"]), metrics=metrics)
         except Exception:  # an observer's failure must not stop training
@@ -248,7 +242,7 @@ class StepsMixin:
         for cell in st["cells"]:
             if cell != 0:
                 live.cells.append(cell)
-                self._spawn(self._cell_call(cell, self.cells[cell].training.join_step, step),
+                self._spawn(self.cells.call(cell, self.cells[cell].training.join_step, step),
                             f"cell {cell} rejoining step {step}")
         for g, stale in zip(st["groups"], st["staleness"]):
             live.packing.assign(g)
@@ -262,7 +256,7 @@ class StepsMixin:
     async def _export(self, version: int) -> WeightsRef:
         """Policy ``version`` where the engines can load it: the core publishes it by the run's
         transport (its stages register their parts for the engines to pull, or write files)."""
-        return await self._cell_call(0, self.cells[0].training.publish_weights, version)
+        return await self.cells.call(0, self.cells[0].training.publish_weights, version)
 
     async def _publish(self, version: int) -> None:
         t0 = self.now()
@@ -270,9 +264,7 @@ class StepsMixin:
         previous, self.weights = self.weights, ref
         exported = self.now()
         # every rollout engine, and the pool (it never trains: it loads every version published)
-        targets = [(c.index, c) for c in self.cells if self._engine_role[c.index] == "rollout"]
-        targets += [(-1, self.standalone)] if self.standalone is not None else []
-        for engine, handles in targets:
+        for engine, handles in self.cells.rollout_engines():
             if self.watchdog is not None and self.watchdog.down(engine):
                 continue  # being restarted by the watchdog: it comes back on self.weights
             url = handles.engine_url
@@ -289,7 +281,7 @@ class StepsMixin:
                 log.warning("engine %s did not load version %s; the watchdog restarts it: %s", url, version, e)
         self.proxy.policy_version = version
         # every serving engine holds `version`; a switch back may still read the previous one
-        await self._cell_call(0, self.cells[0].training.release_weights_older_than, previous.version)
+        await self.cells.call(0, self.cells[0].training.release_weights_older_than, previous.version)
         self.publications.append({"version": version, "transport": self.cfg.publication.transport,
                                   "export_s": round(exported - t0, 4), "load_s": round(self.now() - exported, 4),
                                   "at_s": round(self.now(), 3)})

@@ -111,7 +111,8 @@ class EngineWatchdog:
     def attach(self, orch: Any) -> "EngineWatchdog":
         """Bind to the orchestrator (before :meth:`run`); every engine starts out up."""
         self.orch = orch
-        ids = list(range(len(orch.cells))) + ([-1] if orch.standalone is not None else [])
+        orch.cells.wait_ready = self.ready  # a role switch waits for an engine being restarted
+        ids = list(range(len(orch.cells))) + ([-1] if orch.cells.standalone is not None else [])
         self._ready = {i: asyncio.Event() for i in ids}
         for e in self._ready.values():
             e.set()
@@ -136,14 +137,14 @@ class EngineWatchdog:
 
     def _handles(self, cell: int) -> Any:
         """What holds the engine's URL and serving side: the cell, or the standalone pool."""
-        return self.orch.standalone if cell < 0 else self.orch.cells[cell]
+        return self.orch.cells.handles_of(cell)
 
     @staticmethod
     def _name(cell: int) -> str:
         return "the standalone pool" if cell < 0 else f"cell {cell}"
 
     def _in_rollout(self, cell: int) -> bool:
-        return cell < 0 or bool(self.orch._engine_role[cell] == "rollout")
+        return bool(self.orch.cells.serves_rollout(cell))
 
     async def _healthy(self, cell: int) -> bool:
         """One bounded health check through the cell's serving side (SGLang: ``/health_generate``)."""
@@ -209,7 +210,7 @@ class EngineWatchdog:
                                  f"after {self.max_restarts} restart(s)")
         self._ready[cell].clear()
         old_url = c.engine_url
-        pool = [orch.standalone.engine_url] if cell >= 0 and -1 in self._ready and not self.down(-1) else []
+        pool = [orch.cells.standalone.engine_url] if cell >= 0 and -1 in self._ready and not self.down(-1) else []
         others = pool + [x.engine_url for x in orch.cells
                          if x.index != cell and self._in_rollout(x.index) and not self.down(x.index)]
         moved = orch.proxy.reroute(old_url, others)
