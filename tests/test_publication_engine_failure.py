@@ -1,6 +1,6 @@
 """A publication whose load does not take on one rollout engine: the watchdog's, not the run's end.
 
-The live driver's publication (``StepsMixin._publish``) and the real :class:`EngineWatchdog` run
+The live run's publication (:class:`LivePublication`) and the real :class:`EngineWatchdog` run
 here against stand-ins for the engines (no SGLang process can be made to refuse a load on demand):
 one rollout engine never reports the version it was given. The publication must complete on the
 others, the failed engine must be taken out of routing at once (its executions moved), restarted,
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 
 from gyre_core.interfaces import EngineError, WeightsRef
 from gyre_core.orchestrator.live_cells import CellHandles, LiveCells
-from gyre_core.orchestrator.live_steps import StepsMixin
+from gyre_core.orchestrator.live_publication import LivePublication
 from gyre_core.orchestrator.watchdog import EngineWatchdog, WatchdogGaveUp
 from gyre_core.proxy.routing import EngineRouter
 from gyre_core.scheduler import events as ev
@@ -62,18 +63,22 @@ class StandInProxy:
 
 
 class StandInCoreTraining:
-    """The core's training side as ``_publish`` uses it after the loads: what it was told to release."""
+    """The core's training side as a publication uses it: it exports a version (a reference
+    handed over as is) and releases the ones before, which it records."""
 
     def __init__(self) -> None:
         self.released: list[int] = []
+
+    def publish_weights(self, version: int) -> WeightsRef:
+        return WeightsRef(version, f"v{version}")
 
     def release_weights_older_than(self, version: int) -> None:
         self.released.append(version)
 
 
-class StandInOrchestrator(StepsMixin):
-    """Just what ``_publish`` and the watchdog read of the live driver: cells 1 and 2 serve
-    rollouts, the core (cell 0) trains (the weights ref is handed over as is)."""
+class StandInOrchestrator:
+    """Just what the watchdog reads of the live driver, around a real :class:`LiveCells` and
+    :class:`LivePublication`: cells 1 and 2 serve rollouts, the core (cell 0) trains."""
 
     def __init__(self, stuck_cell: int) -> None:
         self.t0 = time.monotonic()
@@ -87,15 +92,14 @@ class StandInOrchestrator(StepsMixin):
         self.events: list[Any] = []
         self.cells = LiveCells(handles, None, proxy=self.proxy, now=self.now, emit=self._emit, record=lambda p: None)
         self.cells.route_away(0)  # the core trains
-        self.journal = None
-        self.weights = WeightsRef(1, "v1")
-        self.publications: list[dict[str, Any]] = []
         self.messages: list[str] = []
-        self._publishing: int | None = 2
         self.started: list[str] = []
-        self.evaluation = None  # no held-out tasks
-        self.cfg = SimpleNamespace(checkpoint=SimpleNamespace(hf_interval=0), run=SimpleNamespace(steps=3),
-                                   publication=SimpleNamespace(transport="mooncake"))
+        cfg = SimpleNamespace(checkpoint=SimpleNamespace(hf_interval=0), run=SimpleNamespace(steps=3),
+                              publication=SimpleNamespace(transport="mooncake"))
+        self.publication = LivePublication(cfg, self.cells, self.proxy, WeightsRef(1, "v1"), Path("."),  # type: ignore[arg-type]
+                                           now=self.now, emit=self._emit, progress=self.progress, journal=None,
+                                           published=lambda version: None)
+        self.publication.in_flight = 2
 
         def make_serving(engine: int, options: Any) -> StandInServing:
             return StandInServing(options["url"])
@@ -113,8 +117,9 @@ class StandInOrchestrator(StepsMixin):
     def _emit(self, event: Any) -> None:
         self.events.append(event)
 
-    async def _export(self, version: int) -> WeightsRef:
-        return WeightsRef(version, f"v{version}")
+    @property
+    def weights(self) -> WeightsRef:
+        return self.publication.weights
 
 
 def _watchdog(orch: StandInOrchestrator, max_restarts: int = 2) -> EngineWatchdog:
@@ -134,13 +139,13 @@ def test_a_load_that_does_not_take_restarts_the_engine_and_the_run_goes_on() -> 
         orch.proxy.router.pin(eid, "http://engine2")
 
     async def scenario() -> None:
-        orch.watchdog = _watchdog(orch)
+        orch.watchdog = orch.publication.watchdog = _watchdog(orch)
         watch = asyncio.ensure_future(orch.watchdog.run())
         try:
-            await orch._publish(2)
+            await orch.publication.publish(2)
             # the publication completed without the failed engine, which left routing at once
-            assert orch.events == [ev.PublicationDone(2)] and orch._publishing is None
-            assert orch.publications[-1]["version"] == 2 and orch.proxy.policy_version == 2
+            assert orch.events == [ev.PublicationDone(2)] and orch.publication.in_flight is None
+            assert orch.publication.records[-1]["version"] == 2 and orch.proxy.policy_version == 2
             assert orch.cells[1].serving.version == 2  # type: ignore[attr-defined]
             assert orch.cells[0].training.released == [1]  # type: ignore[attr-defined] # the one before stays
             assert orch.watchdog.down(2)
@@ -166,8 +171,8 @@ def test_with_no_restart_left_the_failure_is_the_runs_and_names_the_engine() -> 
     orch = StandInOrchestrator(stuck_cell=1)
 
     async def scenario() -> None:
-        orch.watchdog = _watchdog(orch, max_restarts=0)
-        await orch._publish(2)
+        orch.publication.watchdog = _watchdog(orch, max_restarts=0)
+        await orch.publication.publish(2)
 
     with pytest.raises(WatchdogGaveUp, match=r"engine of cell 1 \(http://engine1\) failed again "
                                              r"\(publication of version 2 failed"):
@@ -177,6 +182,6 @@ def test_with_no_restart_left_the_failure_is_the_runs_and_names_the_engine() -> 
 
 def test_without_a_watchdog_the_load_error_ends_the_publication() -> None:
     orch = StandInOrchestrator(stuck_cell=1)
-    orch.watchdog = None
+    assert orch.publication.watchdog is None
     with pytest.raises(EngineError, match="after loading 2"):
-        asyncio.run(orch._publish(2))
+        asyncio.run(orch.publication.publish(2))

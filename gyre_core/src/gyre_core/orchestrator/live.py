@@ -18,8 +18,9 @@ Where each part lives: this module holds the loop, the clock, the event queue an
 per scheduler command (the :class:`~gyre_core.scheduler.commands.CommandHandler` interface the
 simulator implements too); what the commands set in motion is in ``live_executions`` (dispatch,
 launch, end, evaluation, cancel), ``live_cells`` (the :class:`LiveCells` component: roles, role
-switches, rerouting, KV hand-off, the role timeline),
-``live_steps`` (training steps and publications) and ``live_resume`` (journal replay, with
+switches, rerouting, KV hand-off, the role timeline), ``live_publication`` (the
+:class:`LivePublication` component: the served version, publications, kept model folders),
+``live_steps`` (training steps) and ``live_resume`` (journal replay, with
 ``resume_commands`` replaying the scheduler's commands as bookkeeping).
 """
 
@@ -44,6 +45,7 @@ from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live_cells import CellHandles, LiveCells, StandaloneHandles
 from gyre_core.orchestrator.live_executions import ExecutionsMixin, LiveExecution, _jsonable
+from gyre_core.orchestrator.live_publication import LivePublication
 from gyre_core.orchestrator.live_resume import ResumeMixin
 from gyre_core.orchestrator.live_steps import StepsMixin, _Step
 from gyre_core.orchestrator.run_config import RunConfig
@@ -95,15 +97,10 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         """Each harness's sandbox (:class:`gyre_core.orchestrator.sandbox.SandboxSpec` as a dict), or None."""
         self.pm = pm
         self.out_dir = Path(out_dir)
-        self.weights = weights
-        self.serving_dir = Path(weights.location)
-        """The model folder the engines started on (its ``config.json`` is the served model's)."""
-        self.hf_saved: dict[int, Path] = {}
-        """Periodic model folders (``checkpoint.hf_interval``) still kept, by step."""
         self.clock = clock
         self.progress = progress or (lambda msg: None)
         self.event_log = event_log
-        self.watchdog: Any = None  # an EngineWatchdog (orchestrator.watchdog), set by the launcher
+        self._watchdog: Any = None
         # Harness waits and evaluator calls get their own pool: every running harness blocks a
         # thread in wait() and a hung evaluator keeps its thread until it returns, which would
         # starve the default pool (cores + 4 threads) that cell and engine calls use.
@@ -120,6 +117,9 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         self._t0 = clock()
         self.cells = LiveCells(cells, standalone, proxy=proxy, now=self.now, emit=self._emit, record=self._record_phase)
         """The cells and the standalone pool: roles, switches, the role timeline."""
+        self.publication = LivePublication(cfg, self.cells, proxy, weights, self.out_dir, now=self.now, emit=self._emit,
+                                           progress=self.progress, journal=journal, published=self._published)
+        """The served policy version and its publications."""
         self._execs: dict[int, LiveExecution] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         self.replay_plan: Any = None
@@ -133,14 +133,12 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         self._steps: dict[int, _Step] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None
-        self._publishing: int | None = None
         # summary material
         self._metrics_switch_mark = 0
         """Role switches already reported to the metrics observers."""
         self._tool_output_rate: float | None = None
         """``replay``: tokens per word of the replay's tool output (measured on first use)."""
         self.step_records: list[dict[str, Any]] = []
-        self.publications: list[dict[str, Any]] = []
         self._checkpoints: dict[int, str] = {}
         """Step -> the core's saved training state, as journalled (``checkpoint.keep_last`` prunes)."""
         self.satellite_failures: list[dict[str, Any]] = []
@@ -161,6 +159,27 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
 
         return HeldOutEvaluation.for_run(cfg, self.pm, proxy=self.proxy, proxy_url=self.proxy_url, out_dir=self.out_dir,
                                          sandbox=self.sandbox, progress=self.progress, report=report, now=self.now)
+
+    @property
+    def weights(self) -> WeightsRef:
+        """The policy version the engines serve now."""
+        return self.publication.weights
+
+    @property
+    def watchdog(self) -> Any:
+        """The engine watchdog (:class:`~gyre_core.orchestrator.watchdog.EngineWatchdog`), set by
+        the launcher: switches wait for an engine it restarts, and a failed load is its to repair."""
+        return self._watchdog
+
+    @watchdog.setter
+    def watchdog(self, watchdog: Any) -> None:
+        self._watchdog = watchdog
+        self.cells.wait_ready = watchdog.ready if watchdog is not None else None
+        self.publication.watchdog = watchdog
+
+    def _published(self, version: int) -> None:
+        if self.evaluation is not None:  # held-out tasks on this policy, beside the run
+            self.evaluation.start(version, self.cfg.run.steps)
 
     # ------------------------------------------------------------------ clock, events, tasks
 
@@ -212,7 +231,7 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         try:
             # end on a published policy: after the last step's burst, wait for satellites to return
             # and for the core's publication (a run whose last step a satellite joined ended unpublished)
-            while self.sched.steps_done < steps or self._publishing is not None or self.sched.publication_pending():
+            while self.sched.steps_done < steps or self.publication.in_flight is not None or self.sched.publication_pending():
                 if self._failure is not None:
                     raise self._failure
                 if self.now() > deadline:
@@ -326,8 +345,8 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         self._spawn(self._finish_step(st), f"training step {cmd.step}")
 
     def on_publish(self, cmd: ev.Publish) -> None:
-        self._publishing = cmd.version
-        self._spawn(self._publish(cmd.version), f"publication of version {cmd.version}")
+        self.publication.in_flight = cmd.version
+        self._spawn(self.publication.publish(cmd.version), f"publication of version {cmd.version}")
 
     def on_group_dropped(self, cmd: ev.GroupDropped) -> None:
         self._short_group(cmd)
@@ -422,7 +441,7 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
             "grad_norms": [r.get("grad_norm") for r in self.step_records],
             "step_records": self.step_records,
             "role_switches": self.cells.role_switches,
-            "publications": self.publications,
+            "publications": self.publication.records,
             "executions": self.executions_summary(),
             "interrupted_calls": self._interrupted_calls(),
             "satellite_failures": self.satellite_failures,

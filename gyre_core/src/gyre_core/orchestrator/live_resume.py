@@ -143,7 +143,7 @@ class ResumeMixin:
             self._restart_step(step, st)
         if replayed.publish_pending is not None:
             v = replayed.publish_pending
-            self._spawn(self._publish(v), f"publication of version {v} (resumed)")
+            self._spawn(self.publication.publish(v), f"publication of version {v} (resumed)")
         for eid, cmd in launched.items():
             if eid not in ended and eid not in cancels:
                 if self._execs[eid].trajectory is not None or eid in evaluated:

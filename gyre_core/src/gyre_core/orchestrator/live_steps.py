@@ -1,7 +1,8 @@
-"""The live run's training steps and publications.
+"""The live run's training steps.
 
 A step trains on the groups the scheduler assigns to it as they arrive (streaming packing),
-satellites join it mid-way, and its end publishes the new policy version to every engine.
+satellites join it mid-way, and a cell that dies in it leaves the step to the survivors. Its end
+is what the scheduler publishes (:mod:`gyre_core.orchestrator.live_publication`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from gyre_core.dataplane.packing import StreamPackingBuffer
-from gyre_core.interfaces import Checkpointing, StepFailed, StepRecovery, WeightsRef
+from gyre_core.interfaces import Checkpointing, StepFailed, StepRecovery
 from gyre_core.metrics import step_metrics
 from gyre_core.orchestrator.failure import RunFailed
-from gyre_core.orchestrator.hf_folders import model_dtype, prunable_hf, write_hf_folder
-from gyre_core.orchestrator.live_cells import load_weights_on
 from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
 
@@ -185,7 +183,7 @@ class StepsMixin:
             await self.cells.call(0, save, path)
             self.journal.write("checkpoint", step=st.step, path=path)
             self._checkpoints[st.step] = path
-            for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.weights.version,
+            for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.publication.weights.version,
                                 self.cfg.checkpoint.interval):
                 self.journal.write("checkpoint_deleted", step=old)  # first: a crash now never names a gone one
                 await asyncio.to_thread(shutil.rmtree, self._checkpoints.pop(old), True)
@@ -227,7 +225,7 @@ class StepsMixin:
         mark = self._metrics_switch_mark
         metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.cells.role_switches[mark:],
                                interrupted_calls=self._interrupted_calls(),
-                               publication=self.publications[-1] if self.publications else None,
+                               publication=self.publication.records[-1] if self.publication.records else None,
                                call_stats=self.proxy.call_stats.drain())
         self._metrics_switch_mark = len(self.cells.role_switches)
         try:
@@ -252,70 +250,3 @@ class StepsMixin:
             live.packing.close()
             live.closing = True
             self._spawn(self._finish_step(live), f"training step {step} (resumed)")
-
-    async def _export(self, version: int) -> WeightsRef:
-        """Policy ``version`` where the engines can load it: the core publishes it by the run's
-        transport (its stages register their parts for the engines to pull, or write files)."""
-        return await self.cells.call(0, self.cells[0].training.publish_weights, version)
-
-    async def _publish(self, version: int) -> None:
-        t0 = self.now()
-        ref = await self._export(version)
-        previous, self.weights = self.weights, ref
-        exported = self.now()
-        # every rollout engine, and the pool (it never trains: it loads every version published)
-        for engine, handles in self.cells.rollout_engines():
-            if self.watchdog is not None and self.watchdog.down(engine):
-                continue  # being restarted by the watchdog: it comes back on self.weights
-            url = handles.engine_url
-            try:
-                await load_weights_on(handles.serving, ref)
-            except Exception as e:
-                # A load that did not take after its retries (or an engine that died meanwhile)
-                # is the watchdog's: it takes the engine out of routing now and restarts it on
-                # self.weights, the version just published. The run goes on.
-                if self.watchdog is None:
-                    raise
-                self.watchdog.report_failed(engine, url, f"publication of version {version} failed: "
-                                                         f"{type(e).__name__}: {str(e)[:200]}")
-                log.warning("engine %s did not load version %s; the watchdog restarts it: %s", url, version, e)
-        self.proxy.policy_version = version
-        # every serving engine holds `version`; a switch back may still read the previous one
-        await self.cells.call(0, self.cells[0].training.release_weights_older_than, previous.version)
-        self.publications.append({"version": version, "transport": self.cfg.publication.transport,
-                                  "export_s": round(exported - t0, 4), "load_s": round(self.now() - exported, 4),
-                                  "at_s": round(self.now(), 3)})
-        if self.journal is not None:
-            self.journal.write("published", version=version, location=ref.location)
-        self.progress(f"published policy version {version}")
-        self._publishing = None
-        self._emit(ev.PublicationDone(version))
-        if self.evaluation is not None:  # held-out tasks on this policy, beside the run
-            self.evaluation.start(version, self.cfg.run.steps)
-        every = self.cfg.checkpoint.hf_interval
-        if every > 0 and version % every == 0 and version < self.cfg.run.steps:  # the last: checkpoint/
-            dest = self.out_dir / "hf" / f"step{version}"
-            if await asyncio.to_thread(self.save_hf, version, dest):
-                self.hf_saved[version] = dest
-                self.progress(f"saved the policy after step {version} to {dest}")
-                for old in prunable_hf(self.hf_saved, self.cfg.checkpoint.hf_keep_last):
-                    await asyncio.to_thread(shutil.rmtree, self.hf_saved.pop(old), True)
-
-    def save_hf(self, version: int, dest: Path) -> bool:
-        """Write published ``version`` (the current one) as a model folder at ``dest``, in the
-        model's own dtype (:mod:`gyre_core.orchestrator.hf_folders`): the core's stages write
-        their own weight files. False if the core no longer holds that version."""
-        if self.weights.version != version:
-            return False
-        tokenizer = Path(self.cfg.model.dir) if self.cfg.model.dir else self.out_dir / "tokenizer-src"
-        core = self.cells[0].training
-
-        def write(folder: Path) -> None:
-            core.write_weights(version, str(folder))
-
-        try:
-            write_hf_folder(dest, write, self.serving_dir / "config.json", tokenizer, model_dtype(self.cfg.model.dir))
-        except Exception as e:  # noqa: BLE001 - a lost core (a failed run) keeps its earlier folders
-            log.warning("policy version %s not saved to %s: %s", version, dest, e)
-            return False
-        return True

@@ -111,7 +111,6 @@ class EngineWatchdog:
     def attach(self, orch: Any) -> "EngineWatchdog":
         """Bind to the orchestrator (before :meth:`run`); every engine starts out up."""
         self.orch = orch
-        orch.cells.wait_ready = self.ready  # a role switch waits for an engine being restarted
         ids = list(range(len(orch.cells))) + ([-1] if orch.cells.standalone is not None else [])
         self._ready = {i: asyncio.Event() for i in ids}
         for e in self._ready.values():
