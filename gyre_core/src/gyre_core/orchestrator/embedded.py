@@ -508,7 +508,7 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
 
     steps = [(int(r["step"]), float(r["started_s"]), float(r["ended_s"])) for r in orch.step_records
              if "started_s" in r and "ended_s" in r]
-    pubs = [(int(p["version"]), float(p["at_s"])) for p in orch.publications if "at_s" in p]
+    pubs = [(int(p["version"]), float(p["at_s"])) for p in orch.publication.records if "at_s" in p]
     joins = [(int(r["step"]), int(j["cell"]), float(j["at_s"])) for r in orch.step_records
              for j in r.get("joined_running", [])]
     end = max([i[3] for i in orch.cells.role_intervals] + [b for _, _, b in steps] + [t for _, t in pubs], default=0.0)
@@ -522,9 +522,9 @@ def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], c
         log.warning("role timeline not written: %s", e)
     ckpt = out / "checkpoint"
     # the final policy, always: a complete model folder a later run can start from (model.dir)
-    if orch.save_hf(orch.weights.version, ckpt):  # one weight file, or one per pipeline stage
+    if orch.publication.save_hf(orch.weights.version, ckpt):  # one weight file, or one per pipeline stage
         summary["checkpoint"] = str(ckpt / "model.safetensors") if (ckpt / "model.safetensors").exists() else str(ckpt)
-    summary["hf_checkpoints"] = {str(k): str(v) for k, v in sorted(orch.hf_saved.items())}
+    summary["hf_checkpoints"] = {str(k): str(v) for k, v in sorted(orch.publication.hf_saved.items())}
     summary["policy_version"] = orch.weights.version
     summary["event_log"] = str(out / "events.jsonl")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
