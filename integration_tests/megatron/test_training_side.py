@@ -208,3 +208,31 @@ def test_after_a_death_the_restarted_world_carries_the_core_and_the_dead_cell_re
     params = w.call([0, 1, 2], "params_numpy")
     assert all(np.array_equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
     assert not all(np.array_equal(params[0][k], before[k]) for k in before)  # the step updated the core
+
+
+def test_a_core_whose_ranks_stop_mid_stream_says_so_before_the_stream_closes(sides) -> None:
+    """The core's rank raises on a micro-step (as one out of memory would). Nobody claims the
+    step's micro-steps after that, so the live run cannot wait for the close to hear it:
+    ``stream_failure`` names the rank's error at once, while the stream is still open, and
+    says nothing while the step runs."""
+    from gyre_core.interfaces import StepFailed, StreamHealth
+
+    s0, _, _ = sides
+    assert isinstance(s0, StreamHealth)
+    items = make_items(4, seed=24)
+    q = s0.micro_step_queue(5)
+    s0.start_step(5)
+    q.put(items[0])
+    wait_claimed(q)
+    assert s0.stream_failure(5) is None  # running, well
+    q.put({"index": items[1]["index"]})  # a micro-step the model cannot read: the rank raises
+    deadline = time.monotonic() + 30
+    while (why := s0.stream_failure(5)) is None:
+        assert time.monotonic() < deadline, "the core's failure was not seen while the stream was open"
+        time.sleep(0.1)
+    print(f"\nstream failure seen: {why[:120]}")
+    assert why.startswith("rank 0:") and "KeyError" in why
+    q.close()
+    with pytest.raises(StepFailed) as failure:  # the close still reports it, as before
+        s0.close_stream(5)
+    assert failure.value.survivors == 0

@@ -34,6 +34,7 @@ __all__ = [
     "StateRef",
     "StepFailed",
     "StepRecovery",
+    "StreamHealth",
     "TaskInstance",
     "TrainingSide",
     "TrajectoryLeaf",
@@ -336,6 +337,18 @@ class StepRecovery(Protocol):
         """Core only: start the training processes anew after a cell's died (the core's state
         carried across), so every cell can join later steps; ``{"restart_s": ...}``. Raises
         ``NotImplementedError`` where the processes are a cluster launcher's to restart."""
+        ...
+
+
+@runtime_checkable
+class StreamHealth(Protocol):
+    """An optional capability of a training side: it can tell, without waiting, that its ranks
+    stopped working on an open step (one raised, e.g. out of memory, or died). The step's
+    micro-steps are then claimed by nobody and the packing buffer never runs low again, so
+    without it such a step is seen only at ``run.max_wall_s``."""
+
+    def stream_failure(self, step: int) -> str | None:
+        """Why this cell's part of ``step`` already failed, or ``None`` while it runs."""
         ...
 
 

@@ -79,6 +79,25 @@ class _Ranks:
     def wait(self, ticket: Ticket, timeout: float = 120.0) -> list[Any]:
         return self._collect(ticket, timeout)
 
+    def failure(self, ticket: Ticket) -> str | None:
+        """Without waiting: why the ticket's work already failed (a rank raised or died), or
+        ``None`` while it runs or once it succeeded. The answers that have come are filed as
+        :meth:`wait` files them, so a later wait still finds them."""
+        while True:
+            try:
+                r, seq, ok, payload = self._receive(0.0)
+            except queue_mod.Empty:
+                break
+            self._answers[(r, seq)] = (ok, payload)
+        for r in ticket.ranks:
+            ok, payload = self._answers.get((r, ticket.seq), (True, None))
+            if not ok:
+                return f"rank {r}: {payload}"
+        for r in ticket.ranks:
+            if (r, ticket.seq) not in self._answers and (why := self._dead(r)) is not None:
+                return f"rank {r} died ({why})"
+        return None
+
     def call(self, ranks: Sequence[int], method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
         return self.wait(self.submit(ranks, method, *args, **kwargs), timeout)
 

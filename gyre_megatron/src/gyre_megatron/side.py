@@ -151,6 +151,13 @@ class MegatronTrainingSide:
         qi = self._queue_index(step)
         self._tickets[step] = self.world.submit(self.ranks, "run_step", step, qi, self._final(step))
 
+    def stream_failure(self, step: int) -> str | None:
+        """Without waiting: why this cell's ranks already stopped working on ``step`` while its
+        stream is still open (a rank raised, e.g. out of memory, or died), else ``None``. Nobody
+        claims the step's micro-steps after that, so the run must hear it now, not at the close."""
+        ticket = self._tickets.get(step)
+        return None if ticket is None else self.world.failure(ticket)
+
     def close_stream(self, step: int) -> None:
         from gyre_megatron.launch import RankError
         from gyre_core.interfaces import StepFailed

@@ -39,7 +39,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from gyre_core.dataplane.assessment import AssessmentLedger
 from gyre_core.dataplane.packing import PackingConfig
 from gyre_core.dataplane.trajectory_buffer import TrajectoryBuffer
-from gyre_core.interfaces import WeightsRef
+from gyre_core.interfaces import StreamHealth, WeightsRef
 from gyre_core.orchestrator.evaluation import HeldOutEvaluation
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
@@ -282,13 +282,26 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
                 return
 
     async def _poll_buffers(self) -> None:
-        """Streaming pulls: the open step's packing buffer asks for a group when it runs low."""
+        """Streaming pulls: the open step's packing buffer asks for a group when it runs low.
+
+        And the core's part of an open step must still be running: if its ranks stopped (one
+        raised, e.g. out of memory, or died), nobody claims the step's micro-steps, the buffer
+        never runs low again and the step would never close. The run fails at once instead,
+        naming the rank's error (``--resume`` redoes the step from the last checkpoint)."""
+        core = self.cells[0].training
+        health = core if isinstance(core, StreamHealth) else None
         while True:
             await asyncio.sleep(0.2)
             for st in list(self._steps.values()):
                 low = st.packing.poll_low()
                 if low is not None:
                     self._emit(low)
+                if health is not None and not st.closing and self._failure is None and 0 in st.cells:
+                    why = await asyncio.to_thread(health.stream_failure, st.step)
+                    if why is not None and not st.closing:
+                        self._failure = RunFailed(f"step {st.step}: the core's training ranks stopped before "
+                                                  f"the step's stream closed: {why}")
+                        self._emit(ev.Tick())  # wake the loop so it sees the failure
 
     # ------------------------------------------------------------------ commands
 
