@@ -139,7 +139,7 @@ def run_lookup(kind: str, seed: int, model: Path, args: argparse.Namespace) -> d
     evals = [(e["policy_version"], e["mean_reward"]) for e in summary["evaluations"]]
     # the true reward of each step's trained executions (the control trains on shuffled ones)
     orch = parts["orchestrator"]
-    true = control.true if control else {e: x.reward for e, x in orch._execs.items()}
+    true = control.true if control else {e: x.reward for e, x in orch.executions.records.items()}
     curve = _true_rewards_per_step(summary, orch, true.get)
     result = {"eval_pass_rate": evals, "rise": round(evals[-1][1] - evals[0][1], 4),
               "true_train_reward_per_step": curve, "train_rise": round(_rise(curve)[0], 4),
@@ -176,7 +176,7 @@ def _true_rewards_per_step(summary: dict[str, Any], orch: Any, score_of: Any) ->
     executions."""
     curve = []
     for rec in summary["step_records"]:
-        scores = [score_of(e) for g in rec["groups"] for e in orch._group_members(g) if orch._execs[e].fate == "trained"]
+        scores = [score_of(e) for g in rec["groups"] for e in orch.executions.group_members(g) if orch.executions.records[e].fate == "trained"]
         scores = [x for x in scores if x is not None]
         curve.append(round(sum(scores) / len(scores), 4) if scores else float("nan"))
     return curve

@@ -101,7 +101,6 @@ def engine_load(repeats: int) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from gyre_core.tiny_model import build_tiny_model
-    from gyre_sglang.client import SGLangClient
     from gyre_sglang.server import SGLangServer
     from gyre_sglang.weight_publication import LOADER, load_published
 

@@ -153,8 +153,8 @@ def _assert_nothing_lost(orch: Any, ex: dict[str, int]) -> None:
     """Every finished execution is trained, dropped, surplus, excluded, cancelled, or still waiting
     with a valid reward in the buffer (or its assessment still running at the stop): zero lost."""
     assert_accounted(ex)
-    lost = [eid for eid, x in orch._execs.items() if x.fate == "ended"
-            and x.reward is None and orch.ledger.state(eid) is not EvalState.AWAITING]
+    lost = [eid for eid, x in orch.executions.records.items() if x.fate == "ended"
+            and x.reward is None and orch.executions.ledger.state(eid) is not EvalState.AWAITING]
     assert lost == [], f"finished executions lost: {lost}"
 
 
@@ -194,7 +194,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     summary = run_live(cfg, plugins=[evaluator], on_started=parts.update)
     wall = time.monotonic() - t0
     orch = parts["orchestrator"]
-    execs, ledger = orch._execs, orch.ledger
+    execs, ledger = orch.executions.records, orch.executions.ledger
     print(f"\nfault run A: {wall:.0f} s; executions {summary['executions']}")
 
     assert summary["steps"] == steps
@@ -281,7 +281,7 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     trained = 0
     for r in summary["step_records"]:  # a trained step's rewards are all real rewards
         for g in r["groups"]:
-            group = orch._group_members(g)
+            group = orch.executions.group_members(g)
             valid = len([e for e in group if e not in excluded])  # group 1: 1 valid, group 2: 3 (fast machine)
             members = [execs[e] for e in group if execs[e].fate == "trained"]
             # the filter rule: a group trains its valid executions, none below 2 valid rewards
@@ -330,7 +330,7 @@ def test_engine_killed_mid_request(tmp_path: Path) -> None:
     summary = run_live(cfg, on_started=on_started)
     wall = time.monotonic() - t0
     orch, proxy = parts["orchestrator"], parts["proxy"]
-    execs = orch._execs
+    execs = orch.executions.records
     print(f"\nfault run B: {wall:.0f} s; killed {killed}; restarts {summary['engine_restarts']}; "
           f"executions {summary['executions']}")
 

@@ -16,7 +16,6 @@ run and the cluster's shutdown no Ray or SGLang process of the test is left.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any

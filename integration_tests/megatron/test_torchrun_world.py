@@ -11,7 +11,6 @@ Everything the test starts it stops by process group.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest

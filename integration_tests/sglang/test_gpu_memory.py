@@ -31,7 +31,6 @@ def _used_bytes() -> int:
 
 def test_to_training_releases_and_to_rollout_restores_device_memory(tiny_model_dir, tmp_path):
     from gyre_core.interfaces import WeightsRef
-    from gyre_sglang.client import SGLangClient
     from gyre_sglang.serving_side import SGLangServingSide
 
     server = start_sglang_server(

@@ -91,7 +91,6 @@ async def _start_and_wait_decoding(client: Any, prompt: list[int], rid: str, max
 
 
 def test_migrated_request_yields_the_unmoved_tokens_without_recomputing(sglang_server, dest_server):
-    from gyre_sglang.client import SGLangClient
     from gyre_sglang.kv_handoff import continue_on, hand_off
 
     prompt = _prompt(1)
@@ -137,7 +136,6 @@ def test_migrated_request_yields_the_unmoved_tokens_without_recomputing(sglang_s
 
 
 def test_nothing_to_move_falls_back_to_reprefill(sglang_server, dest_server):
-    from gyre_sglang.client import SGLangClient
     from gyre_sglang.kv_handoff import hand_off
 
     async def go():
@@ -240,7 +238,6 @@ def test_killed_destination_leaves_source_blocks_released_after_the_lease(sglang
     """Runs last: it kills the destination. The destination dies before it acknowledges, and
     nobody releases the pin: the source's lease must free the blocks by itself."""
     from gyre_core.interfaces import EngineUnreachable
-    from gyre_sglang.client import SGLangClient
 
     lease_s = 3.0
     prompt = _prompt(3)

@@ -25,7 +25,6 @@ def swap_server(tiny_model_dir, tmp_path_factory):
 
 
 def test_to_training_then_back_to_rollout(swap_server, tiny_model_dir):
-    from gyre_sglang.client import SGLangClient
     from gyre_sglang.plugin import gyre_make_serving_side
 
     reported: list[PhaseTiming] = []

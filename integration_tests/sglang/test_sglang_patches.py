@@ -23,7 +23,7 @@ def run_py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_select_refuses_unsupported_versions():
-    r = run_py(f"""
+    r = run_py("""
         import gyre_sglang.cpu_patches as m
         assert m.select("0.5.23").TARGET.contains("0.5.23")
         assert m.select("0.5.22").TARGET.contains("0.5.22")

@@ -16,8 +16,8 @@ group is consumed or dropped.
 
 Where each part lives: this module holds the loop, the clock, the event queue and one method
 per scheduler command (the :class:`~gyre_core.scheduler.commands.CommandHandler` interface the
-simulator implements too); what the commands set in motion is in ``live_executions`` (dispatch,
-launch, end, evaluation, cancel), ``live_cells`` (the :class:`LiveCells` component: roles, role
+simulator implements too); what the commands set in motion is in ``live_executions`` (the
+:class:`LiveExecutions` component: dispatch, launch, end, evaluation, cancel, fates), ``live_cells`` (the :class:`LiveCells` component: roles, role
 switches, rerouting, KV hand-off, the role timeline), ``live_publication`` (the
 :class:`LivePublication` component: the served version, publications, kept model folders),
 ``live_steps`` (training steps) and ``live_resume`` (journal replay, with
@@ -36,7 +36,6 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from gyre_core.dataplane.assessment import AssessmentLedger
 from gyre_core.dataplane.packing import PackingConfig
 from gyre_core.dataplane.trajectory_buffer import TrajectoryBuffer
 from gyre_core.interfaces import StreamHealth, WeightsRef
@@ -44,7 +43,7 @@ from gyre_core.orchestrator.evaluation import HeldOutEvaluation
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live_cells import CellHandles, LiveCells, StandaloneHandles
-from gyre_core.orchestrator.live_executions import ExecutionsMixin, LiveExecution, _jsonable
+from gyre_core.orchestrator.live_executions import LiveExecutions, _jsonable
 from gyre_core.orchestrator.live_publication import LivePublication
 from gyre_core.orchestrator.live_resume import ResumeMixin
 from gyre_core.orchestrator.live_steps import StepsMixin, _Step
@@ -59,7 +58,7 @@ __all__ = ["CellHandles", "LiveOrchestrator", "RunFailed", "StandaloneHandles"]
 log = logging.getLogger("gyre.orchestrator")
 
 
-class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
+class LiveOrchestrator(StepsMixin, ResumeMixin):
     """Drive one run. ``cells[0]`` is the core. ``proxy`` is a
     :class:`~gyre_core.proxy.service.ProxyService` serving on ``proxy_url``; ``pm`` the plugin
     manager (harness launch and evaluation hooks); ``weights`` the version the engines serve at
@@ -110,7 +109,6 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         self.replay = replay
         self.sched = Scheduler(cfg.scheduler, total_steps=cfg.run.steps)
         self.buffer = TrajectoryBuffer(cfg.scheduler.group_size)
-        self.ledger = AssessmentLedger()
         self.packing_cfg = PackingConfig(token_budget=cfg.dataplane.token_budget, dp_size=1, min_fill=0.5,
                                          whole_executions=cfg.dataplane.whole_executions)
         self._events: asyncio.Queue[ev.Event] = asyncio.Queue()
@@ -120,24 +118,16 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         self.publication = LivePublication(cfg, self.cells, proxy, weights, self.out_dir, now=self.now, emit=self._emit,
                                            progress=self.progress, journal=journal, published=self._published)
         """The served policy version and its publications."""
-        self._execs: dict[int, LiveExecution] = {}
-        self._groups: dict[int, dict[str, Any]] = {}
-        self.replay_plan: Any = None
-        """``harness.kind = "replay"`` or ``harness.paced``: which recorded execution each execution
-        replays (or takes its duration from)."""
-        if cfg.harness.kind == "replay" or cfg.harness.paced:
-            from gyre_core.orchestrator.replay_plan import ReplayPlan
-
-            self.replay_plan = ReplayPlan.from_config(cfg.harness.trace, cfg.harness.time_scale, cfg.run.seed,
-                                                      cfg.harness.token_scale)
+        self.executions = LiveExecutions(cfg, proxy=proxy, proxy_url=proxy_url, pm=pm, out_dir=self.out_dir,
+                                         sandbox=self.sandbox, journal=journal, buffer=self.buffer, cells=self.cells,
+                                         now=self.now, emit=self._emit, spawn=self._spawn, blocking=self._blocking)
+        """The executions and their groups, from dispatch to a reward (and the assessment ledger)."""
         self._steps: dict[int, _Step] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None
         # summary material
         self._metrics_switch_mark = 0
         """Role switches already reported to the metrics observers."""
-        self._tool_output_rate: float | None = None
-        """``replay``: tokens per word of the replay's tool output (measured on first use)."""
         self.step_records: list[dict[str, Any]] = []
         self._checkpoints: dict[int, str] = {}
         """Step -> the core's saved training state, as journalled (``checkpoint.keep_last`` prunes)."""
@@ -269,7 +259,7 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         return status_text(steps_done=snap.steps_done, steps_total=self.cfg.run.steps,
                            cell_roles=self.cells.roles(), running=snap.running,
                            ready_groups=len(self.buffer.ready()),
-                           trained=sum(1 for ex in self._execs.values() if ex.fate == "trained"),
+                           trained=sum(1 for ex in self.executions.records.values() if ex.fate == "trained"),
                            last_reward=last, elapsed_s=self.now())
 
     async def _show_status(self) -> None:
@@ -311,19 +301,19 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
     # One method per scheduler command (the CommandHandler interface), on the real cells.
 
     def on_dispatch_group(self, cmd: ev.DispatchGroup) -> None:
-        self._dispatch(cmd)
+        self.executions.dispatch(cmd)
 
     def on_launch(self, cmd: ev.Launch) -> None:
-        self._execs[cmd.execution_id].fate = "launching"  # counted launched from now on
-        self._execs[cmd.execution_id].launched_on = cmd.engine
-        self._spawn(self._launch(cmd), f"launch of execution {cmd.execution_id}")
+        self.executions.records[cmd.execution_id].fate = "launching"  # counted launched from now on
+        self.executions.records[cmd.execution_id].launched_on = cmd.engine
+        self._spawn(self.executions.launch(cmd), f"launch of execution {cmd.execution_id}")
 
     def on_cancel(self, cmd: ev.Cancel) -> None:
-        self._cancel(cmd.execution_id)
+        self.executions.cancel(cmd.execution_id)
 
     def on_reroute(self, cmd: ev.Reroute) -> None:
         self.proxy.router.pin(cmd.execution_id, self.cells.engine_url(cmd.destination))
-        self._execs[cmd.execution_id].engine = cmd.destination
+        self.executions.records[cmd.execution_id].engine = cmd.destination
 
     def on_cell_to_training(self, cmd: ev.CellToTraining) -> None:
         self.cells.set_role(cmd.cell, "to_training")
@@ -346,7 +336,7 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
 
     def on_assign_group(self, cmd: ev.AssignGroup) -> None:
         st = self._steps[cmd.step]
-        self._account_group(cmd.group_id, "assigned")
+        self.executions.account_group(cmd.group_id, "assigned")
         st.packing.assign(cmd.group_id)
         st.groups.append(cmd.group_id)
         st.staleness.append(cmd.staleness)
@@ -362,10 +352,10 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         self._spawn(self.publication.publish(cmd.version), f"publication of version {cmd.version}")
 
     def on_group_dropped(self, cmd: ev.GroupDropped) -> None:
-        self._short_group(cmd)
+        self.executions.short_group(cmd)
 
     def on_group_filtered(self, cmd: ev.GroupFiltered) -> None:
-        self._short_group(cmd)
+        self.executions.short_group(cmd)
 
 
     async def shutdown(self) -> None:
@@ -377,7 +367,7 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         and journalled; their commands are not carried out now -- a later ``--resume`` finds them
         outstanding and carries them out then.
         """
-        for ex in self._execs.values():
+        for ex in self.executions.records.values():
             if ex.fate in ("running", "launching"):
                 ex.fate = "stopped"
                 if ex.handle is not None:
@@ -397,10 +387,10 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
             for cmd in self.sched.handle(event, self.now()):
                 self._log("command", cmd)
                 if isinstance(cmd, ev.DispatchGroup):  # bookkeeping only: nothing starts now
-                    self._dispatch(cmd)
+                    self.executions.dispatch(cmd)
                 elif isinstance(cmd, ev.Launch):  # counted launched, never started: stopped
-                    self._execs[cmd.execution_id].fate = "stopped"
-                    self._execs[cmd.execution_id].launched_on = cmd.engine
+                    self.executions.records[cmd.execution_id].fate = "stopped"
+                    self.executions.records[cmd.execution_id].launched_on = cmd.engine
         self._blocking.shutdown(wait=False)
 
     # ------------------------------------------------------------------ summary
@@ -408,10 +398,10 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
     def executions_summary(self) -> dict[str, Any]:
         snap = self.sched.snapshot()
         fates: dict[str, int] = defaultdict(int)
-        for ex in self._execs.values():
+        for ex in self.executions.records.values():
             fates[ex.fate] += 1
         launched_on: dict[str, int] = defaultdict(int)
-        for ex in self._execs.values():
+        for ex in self.executions.records.values():
             if ex.launched_on is not None:
                 launched_on["standalone" if ex.launched_on < 0 else f"cell{ex.launched_on}"] += 1
         return {"dispatched": snap.dispatched, "launched": snap.launched, "finished": snap.finished,
@@ -422,9 +412,9 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
                 "waiting": fates["ended"] + fates["assigned"], "running": fates["running"],
                 "stopped": fates["stopped"], "not_trained": self.not_trained(),
                 # trained as the zero-reward placeholder of a complete failure the task declared
-                "zero_placeholders": sum(1 for ex in self._execs.values() if ex.placeholder and ex.fate == "trained"),
+                "zero_placeholders": sum(1 for ex in self.executions.records.values() if ex.placeholder and ex.fate == "trained"),
                 # answered at least once with a 5xx by Gyre (excluded unless the task vouched)
-                "saw_infrastructure_errors": sum(1 for ex in self._execs.values() if ex.infra_errors)}
+                "saw_infrastructure_errors": sum(1 for ex in self.executions.records.values() if ex.infra_errors)}
 
     def not_trained(self) -> dict[str, dict[str, int]]:
         """Every finished execution that was not trained, counted by fate and cause: which
@@ -432,7 +422,7 @@ class LiveOrchestrator(ExecutionsMixin, StepsMixin, ResumeMixin):
         the run ended before a step took it (``waiting``). A slow machine shows here as
         exclusions by timeout or as waiting executions, never as a silent gap."""
         out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for ex in self._execs.values():
+        for ex in self.executions.records.values():
             if ex.fate in ("excluded", "dropped", "filtered", "surplus", "cancelled"):
                 out[ex.fate][ex.why or "cause not recorded"] += 1
             elif ex.fate == "ended":

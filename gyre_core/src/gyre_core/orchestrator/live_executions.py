@@ -11,13 +11,18 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, is_dataclass, replace
+from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from gyre_core.dataplane.trajectory_buffer import ScoredExecution
+from gyre_core.dataplane.assessment import AssessmentLedger
+
+from gyre_core.dataplane.trajectory_buffer import ScoredExecution, TrajectoryBuffer
 from gyre_core.interfaces import Assessment, ExecutionSpec, HarnessEnds, StateRef
 from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.harness import TaskSetupFailed, classify_end
-from gyre_core.orchestrator.journal import selected_to_json, tree_to_json
+from gyre_core.orchestrator.journal import Journal, selected_to_json, tree_to_json
+from gyre_core.orchestrator.live_cells import LiveCells
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome
@@ -112,25 +117,64 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-class ExecutionsMixin:
-    """The execution half of :class:`~gyre_core.orchestrator.live.LiveOrchestrator`."""
+class LiveExecutions:
+    """The run's executions and their groups, from dispatch to a reward: launch of each harness,
+    its end, its assessment (the ledger) and what becomes of it (its fate).
 
-    def _dispatch(self, cmd: ev.DispatchGroup) -> None:
+    Owns the execution records, the groups' task instances and the assessment ledger. Reaches the
+    rest of the run through what it is given: the proxy (credentials, routing, records), the
+    cells (an engine's URL), the trajectory buffer (scored executions go there), the journal,
+    and callbacks (``emit`` an event, ``spawn`` a task, ``now``)."""
+
+    def __init__(self, cfg: RunConfig, *, proxy: Any, proxy_url: str, pm: Any, out_dir: Path,
+                 sandbox: Mapping[str, Any] | None, journal: Journal | None, buffer: TrajectoryBuffer,
+                 cells: LiveCells, now: Callable[[], float], emit: Callable[[ev.Event], None],
+                 spawn: Callable[[Any, str], None], blocking: Executor) -> None:
+        self.cfg = cfg
+        self.proxy = proxy
+        self.proxy_url = proxy_url
+        self.pm = pm
+        self.out_dir = out_dir
+        self.sandbox = dict(sandbox) if sandbox else None
+        self.journal = journal
+        self.buffer = buffer
+        self.cells = cells
+        self.now = now
+        self._emit = emit
+        self._spawn = spawn
+        self._blocking = blocking
+        """Harness waits and evaluator calls (see the driver: they must not starve its pool)."""
+        self.ledger = AssessmentLedger()
+        self.records: dict[int, LiveExecution] = {}
+        self.groups: dict[int, dict[str, Any]] = {}
+        """Per group: its task instance, the policy version it was dispatched under, rewards."""
+        self.replay_plan: Any = None
+        """``harness.kind = "replay"`` or ``harness.paced``: which recorded execution each execution
+        replays (or takes its duration from)."""
+        if cfg.harness.kind == "replay" or cfg.harness.paced:
+            from gyre_core.orchestrator.replay_plan import ReplayPlan
+
+            self.replay_plan = ReplayPlan.from_config(cfg.harness.trace, cfg.harness.time_scale, cfg.run.seed,
+                                                      cfg.harness.token_scale)
+        self._tool_output_rate: float | None = None
+        """``replay``: tokens per word of the replay's tool output (measured on first use)."""
+
+    def dispatch(self, cmd: ev.DispatchGroup) -> None:
         self.buffer.dispatch(cmd)
         if cmd.refill_of is None:
             inst = self.pm.hook.gyre_task_instance(task=self.cfg.task.name, group_id=cmd.group_id,
                                                    seed=self.cfg.run.seed, options=asdict(self.cfg.task))
             if inst is None:
                 raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
-            self._groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}
+            self.groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}
         for eid in cmd.execution_ids:
-            self._execs[eid] = LiveExecution(cmd.group_id)
+            self.records[eid] = LiveExecution(cmd.group_id)
 
     async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
-        ex = self._execs[cmd.execution_id]
+        ex = self.records[cmd.execution_id]
         if not relaunch and ex.fate != "launching":
             return  # cancelled (or the run ended) before its launch got to run
-        inst = self._groups[cmd.group_id]["instance"]
+        inst = self.groups[cmd.group_id]["instance"]
         eid, key = self.proxy.create_execution(cmd.execution_id, metadata={"group": cmd.group_id})
         self.proxy.router.pin(eid, self.cells.engine_url(cmd.engine))
         workdir = self.out_dir / "executions" / f"e{eid:05d}"
@@ -138,7 +182,7 @@ class ExecutionsMixin:
             workdir.rename(workdir.with_name(f"{workdir.name}.crashed-{int(time.time())}"))
         extra = self._harness_extra(inst)
         if self.replay_plan is not None:  # replay, or paced: the recorded execution this one takes
-            members = self._group_members(cmd.group_id)  # in dispatch order; refills come last
+            members = self.group_members(cmd.group_id)  # in dispatch order; refills come last
             recorded = self.replay_plan.record(cmd.group_id, members.index(cmd.execution_id), len(members))
             if self.cfg.harness.kind == "replay":
                 extra["replay"] = {**recorded.as_extra(), "calls": self.cfg.harness.replay_calls,
@@ -183,7 +227,7 @@ class ExecutionsMixin:
         await self._ended(eid, outcome)
 
     async def _ended(self, eid: int, outcome: Outcome) -> None:
-        ex = self._execs[eid]
+        ex = self.records[eid]
         ex.outcome, ex.fate = outcome, "ended"
         ex.infra_errors = self.proxy.infrastructure_errors(eid) or None
         self.proxy.close_execution(eid)
@@ -196,7 +240,7 @@ class ExecutionsMixin:
                 self.journal.write("trajectory", execution_id=eid, tree=tree_to_json(ex.trajectory[0]),
                                    selected=selected_to_json(ex.trajectory[1]), harness_exit=ex.harness_exit)
         self._emit(ev.ExecutionEnded(eid, outcome))
-        state = self._final_state(eid)
+        state = self.final_state(eid)
         answer = self.ledger.terminated(eid, outcome, state if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT) else None)
         if answer is not None:  # a complete failure: zero-reward placeholder
             ex.reward, ex.placeholder = 0.0, True
@@ -206,10 +250,10 @@ class ExecutionsMixin:
             self._emit(answer)
             return
         if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
-            await self._evaluate(eid)
+            await self.evaluate(eid)
 
     async def _evaluate(self, eid: int) -> None:
-        ex = self._execs[eid]
+        ex = self.records[eid]
         spec = ex.spec
         assert spec is not None
         if ex.infra_errors:  # the evaluator learns what Gyre answered: it may vouch for its score
@@ -270,7 +314,7 @@ class ExecutionsMixin:
     async def _setup_failed(self, eid: int, detail: str) -> None:
         """The task's set-up failed before the harness started: excluded with that cause (the
         scheduler learns it as an execution ended without a reward), never scored."""
-        ex = self._execs[eid]
+        ex = self.records[eid]
         if ex.fate in ("cancelled", "stopped"):
             return  # already ended (and announced) by its cancellation or the run's end
         log.warning("execution %s: %s", eid, detail)
@@ -301,7 +345,7 @@ class ExecutionsMixin:
             got = Assessment.unresolved(state, f"evaluator gave no answer within {bound:.1f} s")
         except Exception as exc:  # a crashing evaluator: unresolved, retried within the budget
             got = Assessment.unresolved(state, f"evaluator raised {exc!r}")
-        got = infra_verdict(got, self._execs[eid].infra_errors)
+        got = infra_verdict(got, self.records[eid].infra_errors)
         answer = self.ledger.evaluate(eid, lambda s: got, started)
         if isinstance(answer, ev.EvaluationUnresolved) and not answer.final and self.now() >= deadline:
             answer = self.ledger.evaluate(eid, evaluator, self.now())  # budget spent: excluded
@@ -324,27 +368,27 @@ class ExecutionsMixin:
             rate = self._tool_output_rate = round(len(self.proxy.renderer.encode(text)) / len(text.split()), 3)
         return rate
 
-    def _cancel(self, eid: int) -> None:
-        ex = self._execs[eid]
+    def cancel(self, eid: int) -> None:
+        ex = self.records[eid]
         prev, ex.fate, ex.why = ex.fate, "cancelled", "its group was complete (oversampled surplus)"
         if prev == "running" and ex.handle is not None:
             self._spawn(asyncio.to_thread(ex.handle.kill), f"cancel of execution {eid}")
             self.proxy.close_execution(eid)
         self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
 
-    def _account_group(self, gid: int, fate: str, from_fates: tuple[str, ...] = ("ended",), why: str = "") -> None:
+    def account_group(self, gid: int, fate: str, from_fates: tuple[str, ...] = ("ended",), why: str = "") -> None:
         """Move a group's executions from ``from_fates`` to ``fate`` (``trained`` only once the
         step that consumed them has applied its update)."""
-        for ex in self._execs.values():
+        for ex in self.records.values():
             if ex.group_id == gid and ex.fate in from_fates:
                 ex.fate, ex.why = fate, why
 
-    def _group_members(self, gid: int) -> list[int]:
-        return [e for e, x in self._execs.items() if x.group_id == gid]
+    def group_members(self, gid: int) -> list[int]:
+        return [e for e, x in self.records.items() if x.group_id == gid]
 
-    def _spec_for(self, eid: int) -> ExecutionSpec:
-        ex = self._execs[eid]
-        inst = self._groups[ex.group_id]["instance"]
+    def spec_for(self, eid: int) -> ExecutionSpec:
+        ex = self.records[eid]
+        inst = self.groups[ex.group_id]["instance"]
         spec = ExecutionSpec(
             execution_id=eid, workdir=str(self.out_dir / "executions" / f"e{eid:05d}"), proxy_base_url=self.proxy_url,
             api_key="", harness_timeout_s=self.cfg.harness.timeout_s, overall_budget_s=self.cfg.harness.overall_budget_s,
@@ -355,20 +399,20 @@ class ExecutionsMixin:
     def _harness_extra(self, inst: Any) -> dict[str, Any]:
         return harness_extra(self.cfg, inst, self.sandbox)
 
-    def _final_state(self, eid: int) -> StateRef:
+    def final_state(self, eid: int) -> StateRef:
         return StateRef(artifact_version="final", branch=str(self.out_dir / "executions" / f"e{eid:05d}"))
 
-    def _mean_reward(self, groups: Sequence[int]) -> float | None:
-        rs = [x.reward for g in groups for x in (self._execs[e] for e in self._group_members(g)) if x.reward is not None]
+    def mean_reward(self, groups: Sequence[int]) -> float | None:
+        rs = [x.reward for g in groups for x in (self.records[e] for e in self.group_members(g)) if x.reward is not None]
         return round(sum(rs) / len(rs), 4) if rs else None
 
-    def _short_group(self, cmd: ev.GroupDropped | ev.GroupFiltered) -> None:
+    def short_group(self, cmd: ev.GroupDropped | ev.GroupFiltered) -> None:
         """The scheduler's decision on a group short of N valid rewards, carried out in the buffer."""
         if isinstance(cmd, ev.GroupDropped):
             self.buffer.drop(cmd)
-            self._account_group(cmd.group_id, "dropped", why="group could no longer reach N valid rewards (drop rule)")
+            self.account_group(cmd.group_id, "dropped", why="group could no longer reach N valid rewards (drop rule)")
             return
         self.buffer.filter(cmd)
         if cmd.empty:  # its few valid rewards give no group baseline: nothing of it is trained
-            self._account_group(cmd.group_id, "filtered",
+            self.account_group(cmd.group_id, "filtered",
                                 why="group held fewer valid rewards than min_valid_rewards (filter rule: empty group)")

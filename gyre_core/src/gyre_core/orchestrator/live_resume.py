@@ -48,9 +48,9 @@ class ResumeMixin:
         evaluated: set[int] = set()
         verdict_fed: set[int] = set()  # executions whose EvaluationValid / final Unresolved was fed
 
-        actions = DataPlaneActions(dispatch=self._dispatch, account_group=self._account_group,
-                                   short_group=self._short_group, register_deadline=self.ledger.register)
-        replayed = ReplayCommands(self._execs, actions, self.cfg.harness.overall_budget_s,
+        actions = DataPlaneActions(dispatch=self.executions.dispatch, account_group=self.executions.account_group,
+                                   short_group=self.executions.short_group, register_deadline=self.executions.ledger.register)
+        replayed = ReplayCommands(self.executions.records, actions, self.cfg.harness.overall_budget_s,
                                   launched, cancels, pending_role, steps)
         for rec in replay.order:
             kind = rec["kind"]
@@ -61,15 +61,15 @@ class ResumeMixin:
                     eid = event.execution_id
                     ended.add(eid)
                     cancels.discard(eid)
-                    ex = self._execs[eid]
+                    ex = self.executions.records[eid]
                     ex.outcome = event.outcome
                     if ex.fate == "running":
                         ex.fate = "ended"
-                    if eid in self.ledger and self.ledger.state(eid) is EvalState.RUNNING:
+                    if eid in self.executions.ledger and self.executions.ledger.state(eid) is EvalState.RUNNING:
                         if event.outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
-                            self.ledger.terminated(eid, event.outcome, self._final_state(eid))
+                            self.executions.ledger.terminated(eid, event.outcome, self.executions.final_state(eid))
                         elif event.outcome is not Outcome.FAILED:
-                            self.ledger.terminated(eid, event.outcome, None)
+                            self.executions.ledger.terminated(eid, event.outcome, None)
                 elif isinstance(event, ev.EvaluationValid) or (isinstance(event, ev.EvaluationUnresolved) and event.final):
                     verdict_fed.add(event.execution_id)
                 elif isinstance(event, ev.TransitionDone):
@@ -81,9 +81,9 @@ class ResumeMixin:
                     if st is not None:
                         for g in st["groups"]:
                             self.buffer.take(g)
-                            self._account_group(g, "trained", from_fates=("assigned",))
+                            self.executions.account_group(g, "trained", from_fates=("assigned",))
                         self.step_records.append({"step": event.step, "groups": st["groups"],
-                                                  "staleness": st["staleness"], "mean_reward": self._mean_reward(st["groups"]),
+                                                  "staleness": st["staleness"], "mean_reward": self.executions.mean_reward(st["groups"]),
                                                   "cells": sorted(set(st["cells"])), "replayed": True})
                 elif isinstance(event, ev.PublicationDone):
                     if replayed.publish_pending == event.version:
@@ -92,27 +92,27 @@ class ResumeMixin:
                 for cmd in self.sched.handle(event, t):
                     carry_out(replayed, cmd)
             elif kind == "trajectory":
-                ex = self._execs[int(rec["execution_id"])]
+                ex = self.executions.records[int(rec["execution_id"])]
                 ex.trajectory = (tree_from_json(rec["tree"]), selected_from_json(rec["selected"]))
                 ex.harness_exit = rec.get("harness_exit")
             elif kind in ("scored", "placeholder"):
                 eid = int(rec["execution_id"])
-                ex = self._execs[eid]
+                ex = self.executions.records[eid]
                 evaluated.add(eid)
-                running = self.ledger.state(eid) is EvalState.RUNNING  # its end is journalled next
+                running = self.executions.ledger.state(eid) is EvalState.RUNNING  # its end is journalled next
                 if kind == "placeholder":
                     ex.reward, ex.placeholder = 0.0, True
                     if running:
-                        self.ledger.terminated(eid, Outcome.FAILED, None)
-                    elif self.ledger.state(eid) is EvalState.AWAITING:  # the task declared it after it ended
-                        self.ledger.evaluate(eid, lambda st: Assessment.complete_failure(st), self.now())
+                        self.executions.ledger.terminated(eid, Outcome.FAILED, None)
+                    elif self.executions.ledger.state(eid) is EvalState.AWAITING:  # the task declared it after it ended
+                        self.executions.ledger.evaluate(eid, lambda st: Assessment.complete_failure(st), self.now())
                     self.buffer.put(ScoredExecution.placeholder(eid, ex.group_id))
                 else:
                     reward = float(rec["reward"])
                     ex.reward = reward
                     if running:
-                        self.ledger.terminated(eid, Outcome.COMPLETED, self._final_state(eid))
-                    self.ledger.evaluate(eid, lambda st, r=reward: Assessment.valid(r, st), self.now())
+                        self.executions.ledger.terminated(eid, Outcome.COMPLETED, self.executions.final_state(eid))
+                    self.executions.ledger.evaluate(eid, lambda st, r=reward: Assessment.valid(r, st), self.now())
                     if "tree" in rec:  # journals written before trajectories had their own entry
                         ex.trajectory = (tree_from_json(rec["tree"]), selected_from_json(rec["selected"]))
                     assert ex.trajectory is not None, f"journal: execution {eid} scored without its records"
@@ -121,8 +121,8 @@ class ResumeMixin:
             elif kind == "excluded":
                 eid = int(rec["execution_id"])
                 evaluated.add(eid)
-                self._execs[eid].fate = "excluded"
-                self._execs[eid].why = str(rec.get("why") or "evaluation unresolved (journalled before causes were)")
+                self.executions.records[eid].fate = "excluded"
+                self.executions.records[eid].why = str(rec.get("why") or "evaluation unresolved (journalled before causes were)")
                 self.buffer.exclude(eid)
         self.progress(f"resumed from the journal at t={replay.last_time:.1f} s: {self.sched.steps_done} steps done, "
                       f"{len(launched) - len(ended)} execution(s) to restart")
@@ -146,40 +146,40 @@ class ResumeMixin:
             self._spawn(self.publication.publish(v), f"publication of version {v} (resumed)")
         for eid, cmd in launched.items():
             if eid not in ended and eid not in cancels:
-                if self._execs[eid].trajectory is not None or eid in evaluated:
+                if self.executions.records[eid].trajectory is not None or eid in evaluated:
                     self._feed_unjournalled_end(eid)  # it had ended: never run it again
                     continue
-                self._spawn(self._launch(cmd, relaunch=True), f"relaunch of execution {eid}")
+                self._spawn(self.executions.launch(cmd, relaunch=True), f"relaunch of execution {eid}")
         for eid in cancels:
             self._emit(ev.ExecutionEnded(eid, Outcome.CANCELLED))
         for eid in ended:
-            ex = self._execs[eid]
+            ex = self.executions.records[eid]
             if eid in evaluated and eid not in verdict_fed:  # its verdict was journalled, not yet fed
-                valid = self.ledger.state(eid) is EvalState.VALID
+                valid = self.executions.ledger.state(eid) is EvalState.VALID
                 self._emit(ev.EvaluationValid(eid) if valid else ev.EvaluationUnresolved(eid, final=True))
             if eid not in evaluated and ex.outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
-                ex.spec = self._spec_for(eid)
-                self._spawn(self._evaluate(eid), f"evaluation of execution {eid} (resumed)")
+                ex.spec = self.executions.spec_for(eid)
+                self._spawn(self.executions.evaluate(eid), f"evaluation of execution {eid} (resumed)")
 
     def _feed_unjournalled_end(self, eid: int) -> None:
         """An execution whose records (and maybe its verdict) reached the journal before the crash
         but whose ``ExecutionEnded`` had not been fed yet (its evaluation runs as soon as it ends,
         while the end event waits in the queue): feed the end now, then what its verdict was."""
-        ex = self._execs[eid]
+        ex = self.executions.records[eid]
         ex.outcome = Outcome.COMPLETED
-        state = self.ledger.state(eid)
+        state = self.executions.ledger.state(eid)
         if state is EvalState.RUNNING:
-            self.ledger.terminated(eid, Outcome.COMPLETED, self._final_state(eid))
+            self.executions.ledger.terminated(eid, Outcome.COMPLETED, self.executions.final_state(eid))
         self._emit(ev.ExecutionEnded(eid, Outcome.COMPLETED))
         if ex.fate == "excluded":
-            if self.ledger.state(eid) is EvalState.AWAITING:
-                self.ledger.exclude(eid)
+            if self.executions.ledger.state(eid) is EvalState.AWAITING:
+                self.executions.ledger.exclude(eid)
             self._emit(ev.EvaluationUnresolved(eid, final=True))
-        elif self.ledger.state(eid) is EvalState.VALID:
+        elif self.executions.ledger.state(eid) is EvalState.VALID:
             if ex.fate == "running":
                 ex.fate = "ended"
             self._emit(ev.EvaluationValid(eid))
         else:  # records only: evaluate it now, as any ended execution
             ex.fate = "ended"
-            ex.spec = self._spec_for(eid)
-            self._spawn(self._evaluate(eid), f"evaluation of execution {eid} (resumed)")
+            ex.spec = self.executions.spec_for(eid)
+            self._spawn(self.executions.evaluate(eid), f"evaluation of execution {eid} (resumed)")

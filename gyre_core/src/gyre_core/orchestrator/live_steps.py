@@ -188,9 +188,9 @@ class StepsMixin:
                 self.journal.write("checkpoint_deleted", step=old)  # first: a crash now never names a gone one
                 await asyncio.to_thread(shutil.rmtree, self._checkpoints.pop(old), True)
         for g in st.groups:
-            self._account_group(g, "trained", from_fates=("assigned",))
-        rewards = [self._execs[e].reward for g in st.groups for e in self._group_members(g)
-                   if self._execs[e].reward is not None and self._execs[e].fate == "trained"]
+            self.executions.account_group(g, "trained", from_fates=("assigned",))
+        rewards = [self.executions.records[e].reward for g in st.groups for e in self.executions.group_members(g)
+                   if self.executions.records[e].reward is not None and self.executions.records[e].fate == "trained"]
         rec = {"step": st.step, "groups": list(st.groups), "staleness": list(st.staleness),
                "mean_reward": round(sum(rewards) / len(rewards), 4) if rewards else None,
                "executions": len(rewards), "cells": sorted(infos),
