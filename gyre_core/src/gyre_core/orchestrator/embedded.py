@@ -506,10 +506,10 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any]
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:
     from gyre_core.simulator.timeline import write_role_timeline_svg
 
-    steps = [(int(r["step"]), float(r["started_s"]), float(r["ended_s"])) for r in orch.step_records
+    steps = [(int(r["step"]), float(r["started_s"]), float(r["ended_s"])) for r in orch.steps.records
              if "started_s" in r and "ended_s" in r]
     pubs = [(int(p["version"]), float(p["at_s"])) for p in orch.publication.records if "at_s" in p]
-    joins = [(int(r["step"]), int(j["cell"]), float(j["at_s"])) for r in orch.step_records
+    joins = [(int(r["step"]), int(j["cell"]), float(j["at_s"])) for r in orch.steps.records
              for j in r.get("joined_running", [])]
     end = max([i[3] for i in orch.cells.role_intervals] + [b for _, _, b in steps] + [t for _, t in pubs], default=0.0)
     intervals = [(c, r, a, b) for c, r, a, b in orch.cells.role_intervals]

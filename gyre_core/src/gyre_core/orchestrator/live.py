@@ -20,7 +20,7 @@ simulator implements too); what the commands set in motion is in ``live_executio
 :class:`LiveExecutions` component: dispatch, launch, end, evaluation, cancel, fates), ``live_cells`` (the :class:`LiveCells` component: roles, role
 switches, rerouting, KV hand-off, the role timeline), ``live_publication`` (the
 :class:`LivePublication` component: the served version, publications, kept model folders),
-``live_steps`` (training steps) and ``live_resume`` (journal replay, with
+``live_steps`` (the :class:`LiveSteps` component: training steps) and ``live_resume`` (journal replay, with
 ``resume_commands`` replaying the scheduler's commands as bookkeeping).
 """
 
@@ -45,8 +45,8 @@ from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.live_cells import CellHandles, LiveCells, StandaloneHandles
 from gyre_core.orchestrator.live_executions import LiveExecutions, _jsonable
 from gyre_core.orchestrator.live_publication import LivePublication
-from gyre_core.orchestrator.live_resume import ResumeMixin
-from gyre_core.orchestrator.live_steps import StepsMixin, _Step
+from gyre_core.orchestrator.live_resume import JournalResume
+from gyre_core.orchestrator.live_steps import LiveSteps
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.status_line import StatusLine, status_text
 from gyre_core.scheduler import events as ev
@@ -58,7 +58,7 @@ __all__ = ["CellHandles", "LiveOrchestrator", "RunFailed", "StandaloneHandles"]
 log = logging.getLogger("gyre.orchestrator")
 
 
-class LiveOrchestrator(StepsMixin, ResumeMixin):
+class LiveOrchestrator:
     """Drive one run. ``cells[0]`` is the core. ``proxy`` is a
     :class:`~gyre_core.proxy.service.ProxyService` serving on ``proxy_url``; ``pm`` the plugin
     manager (harness launch and evaluation hooks); ``weights`` the version the engines serve at
@@ -122,17 +122,15 @@ class LiveOrchestrator(StepsMixin, ResumeMixin):
                                          sandbox=self.sandbox, journal=journal, buffer=self.buffer, cells=self.cells,
                                          now=self.now, emit=self._emit, spawn=self._spawn, blocking=self._blocking)
         """The executions and their groups, from dispatch to a reward (and the assessment ledger)."""
-        self._steps: dict[int, _Step] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None
         # summary material
-        self._metrics_switch_mark = 0
-        """Role switches already reported to the metrics observers."""
-        self.step_records: list[dict[str, Any]] = []
-        self._checkpoints: dict[int, str] = {}
-        """Step -> the core's saved training state, as journalled (``checkpoint.keep_last`` prunes)."""
-        self.satellite_failures: list[dict[str, Any]] = []
-        """Steps that lost a cell and finished on the survivors (and whether the ranks restarted)."""
+        self.steps = LiveSteps(cfg, cells=self.cells, executions=self.executions, publication=self.publication,
+                               buffer=self.buffer, packing_cfg=self.packing_cfg, journal=journal, out_dir=self.out_dir,
+                               event_log=event_log, pm=pm, call_stats=proxy.call_stats, now=self.now, emit=self._emit,
+                               spawn=self._spawn, progress=self.progress, executions_summary=self.executions_summary,
+                               interrupted_calls=self._interrupted_calls)
+        """The training steps: open ones, their records, failed cells' recovery, checkpoints."""
         self.evaluation = self._held_out_evaluation()
         """Held-out evaluation on publications (None without ``task.eval``)."""
 
@@ -209,7 +207,10 @@ class LiveOrchestrator(StepsMixin, ResumeMixin):
         steps = self.cfg.run.steps
         deadline = self.cfg.run.max_wall_s
         if self.replay is not None:
-            await self._resume(self.replay)
+            self._t0 = self.clock() - self.replay.last_time  # the run's clock goes on from the journal's
+            await JournalResume(self.cfg, sched=self.sched, cells=self.cells, executions=self.executions,
+                                steps=self.steps, publication=self.publication, buffer=self.buffer, proxy=self.proxy,
+                                now=self.now, emit=self._emit, spawn=self._spawn, progress=self.progress).run(self.replay)
         else:
             if self.journal is not None:
                 self.journal.write("config", config=self.cfg.as_dict())
@@ -255,7 +256,7 @@ class LiveOrchestrator(StepsMixin, ResumeMixin):
     def status_text(self) -> str:
         """Where the run stands, in one line (see :mod:`gyre_core.orchestrator.status_line`)."""
         snap = self.sched.snapshot()
-        last = next((r["mean_reward"] for r in reversed(self.step_records) if r.get("mean_reward") is not None), None)
+        last = next((r["mean_reward"] for r in reversed(self.steps.records) if r.get("mean_reward") is not None), None)
         return status_text(steps_done=snap.steps_done, steps_total=self.cfg.run.steps,
                            cell_roles=self.cells.roles(), running=snap.running,
                            ready_groups=len(self.buffer.ready()),
@@ -282,7 +283,7 @@ class LiveOrchestrator(StepsMixin, ResumeMixin):
         health = core if isinstance(core, StreamHealth) else None
         while True:
             await asyncio.sleep(0.2)
-            for st in list(self._steps.values()):
+            for st in list(self.steps.open.values()):
                 low = st.packing.poll_low()
                 if low is not None:
                     self._emit(low)
@@ -324,28 +325,16 @@ class LiveOrchestrator(StepsMixin, ResumeMixin):
         self._spawn(self.cells.to_rollout(cmd.cell, self.weights), f"cell {cmd.cell} to rollout")
 
     def on_start_step(self, cmd: ev.StartStep) -> None:
-        self._start_step(cmd)
+        self.steps.start(cmd)
 
     def on_join_step(self, cmd: ev.JoinStep) -> None:
-        st = self._steps[cmd.step]
-        st.cells.append(cmd.cell)
-        st.joined_running[cmd.cell] = self.now()
-        self.progress(f"cell {cmd.cell} joins running step {cmd.step} ({self.now() - st.started:.1f} s in)")
-        self._spawn(self.cells.call(cmd.cell, self.cells[cmd.cell].training.join_step, cmd.step),
-                    f"cell {cmd.cell} joining step {cmd.step}")
+        self.steps.join(cmd.step, cmd.cell)
 
     def on_assign_group(self, cmd: ev.AssignGroup) -> None:
-        st = self._steps[cmd.step]
-        self.executions.account_group(cmd.group_id, "assigned")
-        st.packing.assign(cmd.group_id)
-        st.groups.append(cmd.group_id)
-        st.staleness.append(cmd.staleness)
+        self.steps.assign(cmd.step, cmd.group_id, cmd.staleness)
 
     def on_close_stream(self, cmd: ev.CloseStream) -> None:
-        st = self._steps[cmd.step]
-        st.packing.close()
-        st.closing = True
-        self._spawn(self._finish_step(st), f"training step {cmd.step}")
+        self.steps.close(cmd.step)
 
     def on_publish(self, cmd: ev.Publish) -> None:
         self.publication.in_flight = cmd.version
@@ -433,23 +422,23 @@ class LiveOrchestrator(StepsMixin, ResumeMixin):
 
     def summary(self) -> dict[str, Any]:
         # Over the groups of completed steps: a step the run's end cut short trained nothing.
-        st = [d for rec in self.step_records for d in rec["staleness"]]
+        st = [d for rec in self.steps.records for d in rec["staleness"]]
         return {
             "mode": self.cfg.scheduler.mode.value,
             "steps": self.sched.steps_done,
             "wall_s": round(self.now(), 2),
             "mean_staleness": round(sum(st) / len(st), 4) if st else None,
-            "rewards": [r["mean_reward"] for r in self.step_records],
-            "losses": [r.get("loss") for r in self.step_records],
-            "grad_norms": [r.get("grad_norm") for r in self.step_records],
-            "step_records": self.step_records,
+            "rewards": [r["mean_reward"] for r in self.steps.records],
+            "losses": [r.get("loss") for r in self.steps.records],
+            "grad_norms": [r.get("grad_norm") for r in self.steps.records],
+            "step_records": self.steps.records,
             "role_switches": self.cells.role_switches,
             "publications": self.publication.records,
             "executions": self.executions_summary(),
             "interrupted_calls": self._interrupted_calls(),
-            "satellite_failures": self.satellite_failures,
+            "satellite_failures": self.steps.satellite_failures,
             # the elastic mechanism at work: a satellite sent into a step that was already training
-            "running_step_joins": [{"step": r["step"], **j} for r in self.step_records
+            "running_step_joins": [{"step": r["step"], **j} for r in self.steps.records
                                    for j in r.get("joined_running", [])],
             # held-out pass rate and mean reward per evaluated policy version (task.eval, [eval])
             "evaluations": list(self.evaluation.results) if self.evaluation is not None else [],

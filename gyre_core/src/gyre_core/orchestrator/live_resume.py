@@ -7,24 +7,49 @@ The journalled events are fed to a fresh scheduler; its commands are replayed as
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from gyre_core.dataplane.assessment import EvalState
-from gyre_core.dataplane.trajectory_buffer import ScoredExecution
+from gyre_core.dataplane.trajectory_buffer import ScoredExecution, TrajectoryBuffer
 from gyre_core.interfaces import Assessment
 from gyre_core.orchestrator.journal import Replay, event_from_json, selected_from_json, tree_from_json
+from gyre_core.orchestrator.live_cells import LiveCells
+from gyre_core.orchestrator.live_executions import LiveExecutions
+from gyre_core.orchestrator.live_publication import LivePublication
+from gyre_core.orchestrator.live_steps import LiveSteps
 from gyre_core.orchestrator.resume_commands import DataPlaneActions, ReplayCommands
+from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.commands import carry_out
 from gyre_core.scheduler.events import Outcome, Role
+from gyre_core.scheduler.state_machine import Scheduler
 
 log = logging.getLogger("gyre.orchestrator")
 
 
-class ResumeMixin:
-    """Journal replay for :class:`~gyre_core.orchestrator.live.LiveOrchestrator`."""
+class JournalResume:
+    """Journal replay for the live run: a fold of the journal into the scheduler's state and the
+    components' (executions, steps, cells), then a redo of what was in flight, through the same
+    components the live run uses. Its clock must already read the journal's last time."""
 
-    async def _resume(self, replay: Replay) -> None:
+    def __init__(self, cfg: RunConfig, *, sched: Scheduler, cells: LiveCells, executions: LiveExecutions,
+                 steps: LiveSteps, publication: LivePublication, buffer: TrajectoryBuffer, proxy: Any,
+                 now: Callable[[], float], emit: Callable[[ev.Event], None], spawn: Callable[[Any, str], None],
+                 progress: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.sched = sched
+        self.cells = cells
+        self.executions = executions
+        self.steps = steps
+        self.publication = publication
+        self.buffer = buffer
+        self.proxy = proxy
+        self.now = now
+        self._emit = emit
+        self._spawn = spawn
+        self.progress = progress
+
+    async def run(self, replay: Replay) -> None:
         """Rebuild the scheduler and the data plane from the journal, then redo exactly what was
         in flight at the crash (see module doc of ``journal``):
 
@@ -36,8 +61,7 @@ class ResumeMixin:
           (its partial update died with the ranks, so nothing is trained twice);
         - an unfinished publication, role switch or cancellation is carried out again.
         """
-        self._t0 = self.clock() - replay.last_time
-        self._checkpoints = dict(replay.checkpoints)  # the ones still on disk (keep_last pruned the rest)
+        self.steps.checkpoints = dict(replay.checkpoints)  # the ones still on disk (keep_last pruned the rest)
         launched: dict[int, ev.Launch] = {}
         ended: set[int] = set()
         cancels: set[int] = set()
@@ -82,7 +106,7 @@ class ResumeMixin:
                         for g in st["groups"]:
                             self.buffer.take(g)
                             self.executions.account_group(g, "trained", from_fates=("assigned",))
-                        self.step_records.append({"step": event.step, "groups": st["groups"],
+                        self.steps.records.append({"step": event.step, "groups": st["groups"],
                                                   "staleness": st["staleness"], "mean_reward": self.executions.mean_reward(st["groups"]),
                                                   "cells": sorted(set(st["cells"])), "replayed": True})
                 elif isinstance(event, ev.PublicationDone):
@@ -138,9 +162,9 @@ class ResumeMixin:
             if target is Role.TRAINING:
                 self._spawn(self.cells.to_training(cell), f"cell {cell} to training (resumed)")
             else:
-                self._spawn(self.cells.to_rollout(cell, self.weights), f"cell {cell} to rollout (resumed)")
+                self._spawn(self.cells.to_rollout(cell, self.publication.weights), f"cell {cell} to rollout (resumed)")
         for step, st in sorted(steps.items()):
-            self._restart_step(step, st)
+            self.steps.restart(step, st)
         if replayed.publish_pending is not None:
             v = replayed.publish_pending
             self._spawn(self.publication.publish(v), f"publication of version {v} (resumed)")

@@ -12,12 +12,19 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
 
-from gyre_core.dataplane.packing import StreamPackingBuffer
+from gyre_core.dataplane.packing import PackingConfig, StreamPackingBuffer
+from gyre_core.dataplane.trajectory_buffer import TrajectoryBuffer
 from gyre_core.interfaces import Checkpointing, StepFailed, StepRecovery
 from gyre_core.metrics import step_metrics
 from gyre_core.orchestrator.failure import RunFailed
+from gyre_core.orchestrator.journal import Journal
+from gyre_core.orchestrator.live_cells import LiveCells
+from gyre_core.orchestrator.live_executions import LiveExecutions
+from gyre_core.orchestrator.live_publication import LivePublication
+from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.training_figures import training_figures
 from gyre_core.scheduler import events as ev
 
@@ -81,14 +88,81 @@ def _joins(satellites: Sequence[tuple[int, Sequence[Mapping[str, Any]]]]) -> lis
             for cell, infos in satellites for i in infos if i.get("joined")]
 
 
-class StepsMixin:
-    """The training-step half of :class:`~gyre_core.orchestrator.live.LiveOrchestrator`."""
+class LiveSteps:
+    """The run's training steps: each one open from its start to its update, the cells in it,
+    the groups streamed into it, a failed cell's recovery, the checkpoint after it, its record.
 
-    def _start_step(self, cmd: ev.StartStep) -> None:
+    Owns the open steps, the step records, the satellite failures and the checkpoints taken.
+    Reaches the rest of the run through what it is given: the cells (training sides), the
+    executions (which groups' executions it trained), the publication (the version a checkpoint
+    must keep), the trajectory buffer, the journal and callbacks."""
+
+    def __init__(self, cfg: RunConfig, *, cells: LiveCells, executions: LiveExecutions, publication: LivePublication,
+                 buffer: TrajectoryBuffer, packing_cfg: PackingConfig, journal: Journal | None, out_dir: Path,
+                 event_log: IO[str] | None, pm: Any, call_stats: Any, now: Callable[[], float],
+                 emit: Callable[[ev.Event], None], spawn: Callable[[Any, str], None], progress: Callable[[str], None],
+                 executions_summary: Callable[[], dict[str, Any]],
+                 interrupted_calls: Callable[[], dict[str, Any] | None]) -> None:
+        self.cfg = cfg
+        self.cells = cells
+        self.executions = executions
+        self.publication = publication
+        self.buffer = buffer
+        self.packing_cfg = packing_cfg
+        self.journal = journal
+        self.out_dir = out_dir
+        self.event_log = event_log
+        self.pm = pm
+        self._call_stats = call_stats
+        self.now = now
+        self._emit = emit
+        self._spawn = spawn
+        self.progress = progress
+        self._executions_summary = executions_summary
+        self._interrupted_calls = interrupted_calls
+        self.open: dict[int, _Step] = {}
+        """Steps started and not yet done, by step."""
+        self.records: list[dict[str, Any]] = []
+        """One per completed step (the summary's ``step_records``)."""
+        self.satellite_failures: list[dict[str, Any]] = []
+        """Steps that lost a cell and finished on the survivors (and whether the ranks restarted)."""
+        self.checkpoints: dict[int, str] = {}
+        """Step -> the core's saved training state, as journalled (``checkpoint.keep_last`` prunes)."""
+        self._metrics_switch_mark = 0
+        """Role switches already reported to the metrics observers."""
+
+    # ------------------------------------------------------------------ the scheduler's commands
+
+    def join(self, step: int, cell: int) -> None:
+        """A satellite joins ``step`` while it runs."""
+        st = self.open[step]
+        st.cells.append(cell)
+        st.joined_running[cell] = self.now()
+        self.progress(f"cell {cell} joins running step {step} ({self.now() - st.started:.1f} s in)")
+        self._spawn(self.cells.call(cell, self.cells[cell].training.join_step, step),
+                    f"cell {cell} joining step {step}")
+
+    def assign(self, step: int, group_id: int, staleness: int) -> None:
+        """A ready group streams into ``step``."""
+        st = self.open[step]
+        self.executions.account_group(group_id, "assigned")
+        st.packing.assign(group_id)
+        st.groups.append(group_id)
+        st.staleness.append(staleness)
+
+    def close(self, step: int) -> None:
+        """Its last group is in: close the stream and finish the step."""
+        st = self.open[step]
+        st.packing.close()
+        st.closing = True
+        self._spawn(self._finish_step(st), f"training step {step}")
+
+
+    def start(self, cmd: ev.StartStep) -> None:
         core = self.cells[0].training
         queue = core.micro_step_queue(cmd.step)  # type: ignore[attr-defined]
         packing = StreamPackingBuffer(cmd.step, self.buffer, queue, self.packing_cfg, self.cfg.scheduler.groups_per_step)
-        self._steps[cmd.step] = _Step(cmd.step, packing, list(cmd.cells), started=self.now())
+        self.open[cmd.step] = _Step(cmd.step, packing, list(cmd.cells), started=self.now())
         self.progress(f"step {cmd.step}: training on cells {list(cmd.cells)}")
         for cell in cmd.cells:
             fn = self.cells[cell].training.start_step if cell == 0 else self.cells[cell].training.join_step
@@ -182,11 +256,11 @@ class StepsMixin:
             (self.out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             await self.cells.call(0, save, path)
             self.journal.write("checkpoint", step=st.step, path=path)
-            self._checkpoints[st.step] = path
-            for old in prunable(self._checkpoints, self.cfg.checkpoint.keep_last, self.publication.weights.version,
+            self.checkpoints[st.step] = path
+            for old in prunable(self.checkpoints, self.cfg.checkpoint.keep_last, self.publication.weights.version,
                                 self.cfg.checkpoint.interval):
                 self.journal.write("checkpoint_deleted", step=old)  # first: a crash now never names a gone one
-                await asyncio.to_thread(shutil.rmtree, self._checkpoints.pop(old), True)
+                await asyncio.to_thread(shutil.rmtree, self.checkpoints.pop(old), True)
         for g in st.groups:
             self.executions.account_group(g, "trained", from_fates=("assigned",))
         rewards = [self.executions.records[e].reward for g in st.groups for e in self.executions.group_members(g)
@@ -208,7 +282,7 @@ class StepsMixin:
                                    "trained": c in infos and any(i.get("joined") for i in infos[c])}
                                   for c, t in sorted(st.joined_running.items())],
                **training_figures([infos[c] for c in sorted(infos)])}
-        self.step_records.append(rec)
+        self.records.append(rec)
         self._report_metrics(rec)
         if self.event_log is not None:
             self.event_log.write(json.dumps({"t": round(self.now(), 3), "step_done": st.step, **rec}) + "\n")
@@ -217,26 +291,26 @@ class StepsMixin:
                       f"staleness {st.staleness}, loss {rec['loss']}, grad norm {rec['grad_norm']}, "
                       f"clipped {rec['clip_fraction']}, ratio mean/max {rec['ratio_mean']}/{rec['ratio_max']}, "
                       f"{rec['tokens']} tokens")
-        del self._steps[st.step]
+        del self.open[st.step]
         self._emit(ev.MicroStepsDone(st.step))
 
     def _report_metrics(self, rec: dict[str, Any]) -> None:
         """The step's figures to the ``gyre_on_metrics`` observers (TensorBoard, W&B, plugins)."""
         mark = self._metrics_switch_mark
-        metrics = step_metrics(rec, executions=self.executions_summary(), switches=self.cells.role_switches[mark:],
+        metrics = step_metrics(rec, executions=self._executions_summary(), switches=self.cells.role_switches[mark:],
                                interrupted_calls=self._interrupted_calls(),
                                publication=self.publication.records[-1] if self.publication.records else None,
-                               call_stats=self.proxy.call_stats.drain())
+                               call_stats=self._call_stats.drain())
         self._metrics_switch_mark = len(self.cells.role_switches)
         try:
             self.pm.hook.gyre_on_metrics(step=int(rec["step"]), metrics=metrics)
         except Exception:  # an observer's failure must not stop training
             log.exception("a gyre_on_metrics observer failed at step %s", rec["step"])
 
-    def _restart_step(self, step: int, st: dict[str, Any]) -> None:
+    def restart(self, step: int, st: dict[str, Any]) -> None:
         """Re-run an interrupted step from the last checkpoint on the groups it had been given."""
-        self._start_step(ev.StartStep(step, tuple(c for c in st["cells"] if c == 0) or (0,)))
-        live = self._steps[step]
+        self.start(ev.StartStep(step, tuple(c for c in st["cells"] if c == 0) or (0,)))
+        live = self.open[step]
         for cell in st["cells"]:
             if cell != 0:
                 live.cells.append(cell)
