@@ -124,10 +124,9 @@ class LiveOrchestrator:
         """The executions and their groups, from dispatch to a reward (and the assessment ledger)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: BaseException | None = None
-        # summary material
         self.steps = LiveSteps(cfg, cells=self.cells, executions=self.executions, publication=self.publication,
                                buffer=self.buffer, packing_cfg=self.packing_cfg, journal=journal, out_dir=self.out_dir,
-                               event_log=event_log, pm=pm, call_stats=proxy.call_stats, now=self.now, emit=self._emit,
+                               event_log=event_log, pm=pm, call_stats=lambda: proxy.call_stats.drain(), now=self.now, emit=self._emit,
                                spawn=self._spawn, progress=self.progress, executions_summary=self.executions_summary,
                                interrupted_calls=self._interrupted_calls)
         """The training steps: open ones, their records, failed cells' recovery, checkpoints."""

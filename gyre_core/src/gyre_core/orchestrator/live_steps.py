@@ -99,7 +99,7 @@ class LiveSteps:
 
     def __init__(self, cfg: RunConfig, *, cells: LiveCells, executions: LiveExecutions, publication: LivePublication,
                  buffer: TrajectoryBuffer, packing_cfg: PackingConfig, journal: Journal | None, out_dir: Path,
-                 event_log: IO[str] | None, pm: Any, call_stats: Any, now: Callable[[], float],
+                 event_log: IO[str] | None, pm: Any, call_stats: Callable[[], Any], now: Callable[[], float],
                  emit: Callable[[ev.Event], None], spawn: Callable[[Any, str], None], progress: Callable[[str], None],
                  executions_summary: Callable[[], dict[str, Any]],
                  interrupted_calls: Callable[[], dict[str, Any] | None]) -> None:
@@ -114,6 +114,7 @@ class LiveSteps:
         self.event_log = event_log
         self.pm = pm
         self._call_stats = call_stats
+        """The proxy's per-call figures since the last step (taken once per step, for the metrics)."""
         self.now = now
         self._emit = emit
         self._spawn = spawn
@@ -300,7 +301,7 @@ class LiveSteps:
         metrics = step_metrics(rec, executions=self._executions_summary(), switches=self.cells.role_switches[mark:],
                                interrupted_calls=self._interrupted_calls(),
                                publication=self.publication.records[-1] if self.publication.records else None,
-                               call_stats=self._call_stats.drain())
+                               call_stats=self._call_stats())
         self._metrics_switch_mark = len(self.cells.role_switches)
         try:
             self.pm.hook.gyre_on_metrics(step=int(rec["step"]), metrics=metrics)
