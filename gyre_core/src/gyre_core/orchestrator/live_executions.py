@@ -170,7 +170,7 @@ class LiveExecutions:
         for eid in cmd.execution_ids:
             self.records[eid] = LiveExecution(cmd.group_id)
 
-    async def _launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
+    async def launch(self, cmd: ev.Launch, relaunch: bool = False) -> None:
         ex = self.records[cmd.execution_id]
         if not relaunch and ex.fate != "launching":
             return  # cancelled (or the run ended) before its launch got to run
@@ -252,7 +252,7 @@ class LiveExecutions:
         if outcome in (Outcome.COMPLETED, Outcome.HARNESS_TIMEOUT):
             await self.evaluate(eid)
 
-    async def _evaluate(self, eid: int) -> None:
+    async def evaluate(self, eid: int) -> None:
         ex = self.records[eid]
         spec = ex.spec
         assert spec is not None
