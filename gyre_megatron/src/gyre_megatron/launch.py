@@ -115,8 +115,8 @@ class _Ranks:
             if left <= 0:
                 missing = [r for r in ticket.ranks if (r, ticket.seq) not in self._answers]
                 raise RankError(f"no answer from rank(s) {missing} within {timeout} s")
-            try:
-                r, seq, ok, payload = self._receive(min(left, 0.5))
+            try:  # short: another thread (``failure``) may file this ticket's answer meanwhile
+                r, seq, ok, payload = self._receive(min(left, 0.05))
                 self._answers[(r, seq)] = (ok, payload)
             except queue_mod.Empty:
                 pass
