@@ -137,11 +137,15 @@ def run_lookup(kind: str, seed: int, model: Path, args: argparse.Namespace) -> d
     # held-out mean reward: with a 0/1 reward, the share of evaluation executions that passed (pass@1
     # over ``eval.samples`` draws per record; the summary's ``pass_rate`` is pass@samples)
     evals = [(e["policy_version"], e["mean_reward"]) for e in summary["evaluations"]]
+    # the same over the samples that version alone served (versions published during an
+    # evaluation serve its later samples): (version, mean, samples, samples a later version served)
+    on_version = [(e["policy_version"], e.get("mean_reward_on_version"), e.get("executions_on_version"),
+                   e.get("served_later")) for e in summary["evaluations"]]
     # the true reward of each step's trained executions (the control trains on shuffled ones)
     orch = parts["orchestrator"]
     true = control.true if control else {e: x.reward for e, x in orch.executions.records.items()}
     curve = _true_rewards_per_step(summary, orch, true.get)
-    result = {"eval_pass_rate": evals, "rise": round(evals[-1][1] - evals[0][1], 4),
+    result = {"eval_pass_rate": evals, "rise": round(evals[-1][1] - evals[0][1], 4), "eval_on_version": on_version,
               "true_train_reward_per_step": curve, "train_rise": round(_rise(curve)[0], 4),
               "lr": cfg.training.lr, "steps": cfg.run.steps,
               "clip_fraction": [r["clip_fraction"] for r in summary["step_records"]],

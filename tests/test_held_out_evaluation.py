@@ -53,6 +53,9 @@ class StandInProxy:
         self.live.discard(eid)
         self.forgotten.append(eid)
 
+    def policy_versions(self, eid: int) -> list[int]:
+        return [self.meta[eid][0]]  # served by the version it evaluates
+
 
 @dataclass
 class StandInTask:
@@ -154,3 +157,14 @@ def test_summarise_counts_pass_at_k_over_judged_tasks() -> None:
     s = summarise(4, tasks, 1.0)
     assert s["pass_rate"] == 0.5 and s["unresolved"] == 3 and s["executions"] == 6
     assert s["mean_reward"] == pytest.approx(1 / 3, abs=1e-4)
+
+
+def test_samples_served_by_later_versions_are_told_apart() -> None:
+    """Version 4's evaluation ran while versions 5 and 6 were published: the samples a later
+    version served are counted, and the version's own figure is over the samples it served alone."""
+    tasks = [{"rewards": [1.0, 0.0, 1.0], "passed": True, "served": [[4], [4, 5], [4]]},
+             {"rewards": [0.0, None, 0.0], "passed": False, "served": [[5, 6], [4], [4]]}]
+    s = summarise(4, tasks, 1.0)
+    assert s["served_later"] == 2 and s["executions_on_version"] == 3
+    assert s["mean_reward_on_version"] == pytest.approx(2 / 3, abs=1e-4)  # 1.0, 1.0, 0.0
+    assert s["mean_reward"] == pytest.approx(2 / 5, abs=1e-4)  # every valid sample, whoever served it

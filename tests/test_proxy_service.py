@@ -405,3 +405,21 @@ def test_one_executions_burst_of_large_requests_does_not_stall_the_others(render
     run(scenario())
     assert len(order) == 21 and order.index("2") <= 2, order
     assert svc._prepare_turns == {}  # nothing kept once every call is through
+
+
+def test_an_execution_says_which_policy_versions_served_it(renderer: ChatRenderer) -> None:
+    """A publication that lands while an execution runs: its later calls are served by the new
+    version, and the execution says so (a held-out evaluation reads it to tell versions apart)."""
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    eng.script(renderer.encode("one<|im_end|>"), renderer.encode("two<|im_end|>"))
+    msgs = [ChatMessage("user", "count")]
+
+    async def conversation() -> None:
+        svc.policy_version = 3
+        await svc.complete(req(eid, msgs))
+        svc.policy_version = 4  # published meanwhile
+        await svc.complete(req(eid, msgs + [ChatMessage("assistant", "one"), ChatMessage("user", "again")]))
+
+    run(conversation())
+    assert svc.policy_versions(eid) == [3, 4]

@@ -65,15 +65,26 @@ class EvalPlan:
 
 def summarise(version: int, per_task: Sequence[Mapping[str, Any]], wall_s: float) -> dict[str, Any]:
     """One evaluation's figures: pass@k over tasks with at least one valid reward, the mean of the
-    valid rewards, and how many samples were unresolved (never counted as zeros)."""
+    valid rewards, and how many samples were unresolved (never counted as zeros).
+
+    The evaluation runs beside training on the rollout engines, which load every version published
+    meanwhile: a long evaluation of version ``v`` is partly served by later versions. So it also
+    says how many samples had a call served by a later version (``served_later``) and the mean
+    reward of the samples served by ``v`` alone (``mean_reward_on_version``, over
+    ``executions_on_version``): the figure to read as version ``v``'s."""
     rewards = [r for t in per_task for r in t["rewards"] if r is not None]
     judged = [t for t in per_task if any(r is not None for r in t["rewards"])]
     samples = sum(len(t["rewards"]) for t in per_task)
+    served = [(r, list(s)) for t in per_task for r, s in zip(t["rewards"], t.get("served") or [[]] * len(t["rewards"]))]
+    on_version = [r for r, s in served if r is not None and s and set(s) == {version}]
     return {
         "step": version, "policy_version": version, "tasks": len(per_task), "executions": samples,
         "unresolved": samples - len(rewards),
         "pass_rate": round(sum(1 for t in judged if t["passed"]) / len(judged), 4) if judged else None,
         "mean_reward": round(math.fsum(rewards) / len(rewards), 4) if rewards else None,
+        "served_later": sum(1 for _, s in served if s and max(s) > version),
+        "executions_on_version": len(on_version),
+        "mean_reward_on_version": round(math.fsum(on_version) / len(on_version), 4) if on_version else None,
         "wall_s": round(wall_s, 2),
     }
 
@@ -173,7 +184,7 @@ class HeldOutEvaluation:
             rewards = [o["reward"] for o in mine]
             per_task.append({"task": i, "record_index": getattr(inst, "index", i), "rewards": rewards,
                              "passed": any(r is not None and r >= self.plan.pass_threshold for r in rewards),
-                             "details": [o["detail"] for o in mine]})
+                             "details": [o["detail"] for o in mine], "served": [o["served"] for o in mine]})
         self._out.mkdir(parents=True, exist_ok=True)
         with open(self._out / f"step{version}.jsonl", "w") as f:
             for t in per_task:
@@ -224,8 +235,9 @@ class HeldOutEvaluation:
                     spec = replace(spec, extra={**spec.extra, "harness_exit": int(code), "harness_end": end})
             except Exception as e:  # no engine, a harness that cannot start: unresolved, never a zero
                 self._proxy.forget(eid)
-                return {"task": task, "reward": None, "detail": f"not run: {type(e).__name__}: {e}"[:300]}
+                return {"task": task, "reward": None, "detail": f"not run: {type(e).__name__}: {e}"[:300], "served": []}
             errors = self._proxy.infrastructure_errors(eid)
+            served = self._proxy.policy_versions(eid)
             self._proxy.forget(eid)  # its records are never trained on
             state = StateRef(artifact_version="final", branch=str(workdir))
             spec = replace(spec, extra={**spec.extra, "evaluator_timeout_s": self._eval_timeout,
@@ -237,5 +249,5 @@ class HeldOutEvaluation:
                 got = Assessment.unresolved(state, f"evaluator: {type(e).__name__}: {e}"[:300])
             got = infra_verdict(got, errors)
             if got is None or got.validity is not Validity.VALID:
-                return {"task": task, "reward": None, "detail": "" if got is None else got.detail[:300]}
-            return {"task": task, "reward": float(got.score), "detail": got.detail[:300]}  # type: ignore[arg-type]
+                return {"task": task, "reward": None, "detail": "" if got is None else got.detail[:300], "served": served}
+            return {"task": task, "reward": float(got.score), "detail": got.detail[:300], "served": served}  # type: ignore[arg-type]

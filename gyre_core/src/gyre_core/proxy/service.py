@@ -390,6 +390,11 @@ class ProxyService:
     def records(self, execution_id: int) -> ExecutionRecords:
         return self._get(execution_id).records
 
+    def policy_versions(self, execution_id: int) -> list[int]:
+        """The policy versions the execution's calls were served under: more than one when a
+        publication landed while it ran (engines load each new version as it is published)."""
+        return sorted({c.policy_version for c in self.records(execution_id).calls if c.policy_version is not None})
+
     def selected(self, execution_id: int, j_max: int, seed: int) -> list[SelectedTrajectory]:
         """Selection over the execution's tree, classes from the classify hook (fallback: headers)."""
         rec = self.records(execution_id)
