@@ -76,6 +76,7 @@ async def _evaluate(cfg: RunConfig, model: Path, out: Path, pm: Any, engines: li
         "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key, "log_path": str(out / "engine.log"),
         "base_gpu_id": 0, "tp_size": cfg.training.tp * cfg.training.pp}, engines)
     service = make_proxy_service(cfg, tokenizer, pm)
+    service.policy_version = 0  # the one version this engine serves: every sample is served by it
     service.add_engine(pm.hook.gyre_make_engine_client(url=engine.url, options={"api_key": engine_key}),
                        kind="standalone", capacity=cfg.eval.max_concurrent)
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
