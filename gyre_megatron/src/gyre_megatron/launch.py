@@ -89,13 +89,18 @@ class _Ranks:
             except queue_mod.Empty:
                 break
             self._answers[(r, seq)] = (ok, payload)
-        for r in ticket.ranks:
-            ok, payload = self._answers.get((r, ticket.seq), (True, None))
-            if not ok:
-                return f"rank {r}: {payload}"
-        for r in ticket.ranks:
-            if (r, ticket.seq) not in self._answers and (why := self._dead(r)) is not None:
-                return f"rank {r} died ({why})"
+        return self._stopped(ticket)
+
+    def _stopped(self, ticket: Ticket) -> str | None:
+        """Why the ticket cannot complete, from the answers filed so far: a rank raised (its peers
+        may be blocked on it, so nobody waits for them) or died before answering."""
+        failed = [r for r in ticket.ranks if not self._answers.get((r, ticket.seq), (True,))[0]]
+        if failed:
+            return "\n".join(f"rank {r}: {self._answers[(r, ticket.seq)][1]}" for r in failed)
+        dead = {r: why for r in ticket.ranks if (r, ticket.seq) not in self._answers
+                and (why := self._dead(r)) is not None}
+        if dead:
+            return f"rank(s) {sorted(dead)} died ({'; '.join(dead.values())})"
         return None
 
     def call(self, ranks: Sequence[int], method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
@@ -104,13 +109,9 @@ class _Ranks:
     def _collect(self, ticket: Ticket, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
         while not all((r, ticket.seq) in self._answers for r in ticket.ranks):
-            failed = [r for r in ticket.ranks if not self._answers.get((r, ticket.seq), (True,))[0]]
-            if failed:  # one rank raised: its peers may be blocked on it, do not wait for them
-                raise RankError("\n".join(f"rank {r}: {self._answers[(r, ticket.seq)][1]}" for r in failed))
-            dead = {r: why for r in ticket.ranks if (r, ticket.seq) not in self._answers
-                    and (why := self._dead(r)) is not None}
-            if dead:
-                raise RankError(f"rank(s) {sorted(dead)} died ({'; '.join(dead.values())})")
+            why = self._stopped(ticket)
+            if why is not None:
+                raise RankError(why)
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [r for r in ticket.ranks if (r, ticket.seq) not in self._answers]

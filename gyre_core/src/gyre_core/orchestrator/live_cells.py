@@ -158,8 +158,8 @@ class LiveCells:
     def _reroute_destinations(self) -> list[str]:
         """Where a cell leaving rollout sends its calls: the standalone pool first, then the
         cells still in rollout (the scheduler's Reroute commands pin each execution exactly)."""
-        cells = [x.engine_url for x in self._cells if self._engine_role[x.index] == "rollout"]
-        return ([self.standalone.engine_url] if self.standalone is not None else []) + cells
+        engines = self.rollout_engines()
+        return [h.engine_url for e, h in engines if e < 0] + [h.engine_url for e, h in engines if e >= 0]
 
     def route_away(self, cell: int) -> None:
         """The cell's engine stops taking calls; its executions move to the engines that serve."""
