@@ -86,6 +86,7 @@ def peak_during(pids: list[int], work: Callable[[], Any]) -> tuple[Any, dict[int
 
 def one_size(name: str, pp: int) -> dict[str, Any]:
     from gyre_megatron.export import gather_serving_tensors, publish, release_older_than
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.launch import World
     from gyre_megatron.model import ModelSpec
     from gyre_megatron.runtime import RankOptions
@@ -97,7 +98,7 @@ def one_size(name: str, pp: int) -> dict[str, Any]:
     with World(RankOptions(cells=1, pp=pp, spec=spec), n_queues=1) as w:
         ranks = [int(i["pid"]) for i in w.info]
         before = {p: _rss_mib(p) for p in [me, *ranks]}
-        ref, peaks, publish_s = peak_during([me, *ranks], lambda: publish(w, {"publication": "mooncake"}, 1))
+        ref, peaks, publish_s = peak_during([me, *ranks], lambda: publish(w, PublicationOptions(transport="mooncake"), 1))
         proc = subprocess.run([sys.executable, "-c", PULLER, ref.location], capture_output=True, text=True,
                               timeout=900, env=dict(os.environ))
         if proc.returncode != 0:

@@ -13,19 +13,26 @@ on the scaled trace (as in ``live_race.py``), Async runs every split of its K ce
 reaches the target first counts, else the shorter run), Colocate φ = 0, μ = 2·E[d] + 1.
 
 Measured per run, on the orchestrator's clock from the scheduler's start (engine start-up, the
-same in every mode, is left out): the held-out mean reward (pass@1: 64 records × ``eval.samples``)
-of version 0, of every ``eval.interval``-th version and of the last, each placed at the time its
-version was published; the train reward of each step at its end; the **time to target**: when the
-first version whose held-out reward reaches ``--target`` was published. Reported per mode: those
-times across seeds and the speedups, and the held-out reward per step (do the modes learn alike
-per step?). Then ``simulate --calibrate-from`` reads the first seed's Gyre run and predicts the
-three modes' run times: where Gyre is not ahead, what holds it back.
+same in every mode, is left out): the train reward of each step at its end, and the held-out
+pass@1 of every ``--eval-every``-th version, placed at the time that version was published. The
+held-out figures are exact: the run keeps those versions as model folders
+(``checkpoint.hf_interval``) and each is evaluated afterwards on its own by ``gyre-orchestrate
+eval`` (one engine serving that version alone; 64 records × ``--eval-samples``). An evaluation
+beside training would be served partly by later versions, and its load on the rollout engines
+would differ between modes. The warm start is version 0 of every mode (evaluated once). The
+**time to target** is when the first version whose held-out pass@1 reaches ``--target`` was
+published. Reported per mode: those times across seeds and the speedups, and the held-out reward
+per version (do the modes learn alike per step?). Then ``simulate --calibrate-from`` reads the
+first seed's Gyre run and predicts the three modes' run times: where Gyre is not ahead, what holds
+it back. ``--reuse-runs`` keeps a run already in ``--out`` (its ``run.json``) and only evaluates
+what is not yet evaluated.
 
 Writes ``<out>/time_to_reward.json`` and ``<out>/time_to_reward.png`` (held-out and train reward
 against wall time, one colour per mode) and prints the JSON object.
 
-    python benchmarks/time_to_reward.py [--seeds 0] [--steps 30] [--target 0.4] [--time-scale 0.002]
-        [--model runs/lookup-start] [--modes gyre,async,colocate] [--out runs/time-to-reward]
+    python benchmarks/time_to_reward.py [--seeds 0] [--steps 20] [--target 0.5] [--time-scale 0.002]
+        [--eval-every 5] [--eval-samples 4] [--model runs/lookup-start] [--modes gyre,async,colocate]
+        [--out runs/time-to-reward] [--reuse-runs]
 """
 
 from __future__ import annotations
@@ -74,32 +81,75 @@ def time_to_target(curve: list[tuple[int, float, float]], target: float) -> floa
     return next((t for _, t, r in curve if r >= target), None)
 
 
+def _set_value(v: Any) -> str:
+    """A ``--set`` value as TOML reads it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return json.dumps(v) if isinstance(v, list) else str(v)
+
+
 def run_mode(label: str, seed: int, sets: dict[str, Any], a: argparse.Namespace, trace: Path,
              timeout_s: float) -> dict[str, Any]:
+    """One training run; its kept versions are evaluated later (:func:`held_out_curve`)."""
     out = Path(a.out) / f"{label}-seed{seed}"
+    saved = out / "run.json"
+    if a.reuse_runs and saved.is_file():
+        return dict(json.loads(saved.read_text()))
     base = {"run.seed": seed, "run.steps": a.steps, "model.dir": str(a.model), "run.max_wall_s": a.max_wall_s,
-            "harness.paced": "true", "harness.trace": str(trace), "harness.time_scale": a.time_scale,
+            "harness.paced": True, "harness.trace": str(trace), "harness.time_scale": a.time_scale,
             "harness.timeout_s": timeout_s, "harness.overall_budget_s": timeout_s + 120.0,
-            "metrics.backends": "[]"}
+            "metrics.backends": [], "checkpoint.hf_interval": a.eval_every,
+            # no evaluation beside training: each kept version is evaluated alone afterwards
+            "task.eval": "", "eval.interval": 0, "eval.before_train": False}
     args = ["run", "--config", str(LOOKUP / "job.toml"), "--out", str(out), "--json-summary"]
     for k, v in {**base, **sets}.items():
-        args += ["--set", f"{k}={json.dumps(v) if isinstance(v, str) and not v.startswith(('[', 'true')) else v}"]
+        args += ["--set", f"{k}={_set_value(v)}"]
     p = cli(*args, timeout=a.max_wall_s + 600)
     if p.returncode != 0:
         raise RuntimeError(f"{label} seed {seed} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     s = json.loads(p.stdout.strip().splitlines()[-1])
     published = {int(x["version"]): float(x["at_s"]) for x in s.get("publications", [])}
     published[0] = 0.0
-    curve = [(int(e["policy_version"]), published.get(int(e["policy_version"]), math.nan), float(e["mean_reward"]))
-             for e in s["evaluations"] if e.get("mean_reward") is not None]
+    kept = {v: str(out / "hf" / f"step{v}") for v in range(a.eval_every, a.steps + 1, a.eval_every)
+            if (out / "hf" / f"step{v}" / "config.json").is_file()}
+    if a.steps not in kept and (out / "checkpoint" / "config.json").is_file():
+        kept[a.steps] = str(out / "checkpoint")
     recs = s["step_records"]
     ends = [float(r["ended_s"]) for r in recs if "ended_s" in r]
-    return {"label": label, "seed": seed, "phi": sets["scheduler.extra_dispatch"],
-            "mu": sets["scheduler.steps_per_burst"], "held_out": curve,
-            "time_to_target_s": time_to_target(curve, a.target), "run_s": round(max(ends), 2) if ends else None,
-            "train": [(int(r["step"]), float(r["ended_s"]), r.get("mean_reward")) for r in recs if "ended_s" in r],
-            "mean_staleness": s["mean_staleness"], "clip_fraction": [r.get("clip_fraction") for r in recs],
-            "role_switches": len(s.get("role_switches", [])), "executions": s["executions"], "out": str(out)}
+    r = {"label": label, "seed": seed, "phi": sets["scheduler.extra_dispatch"],
+         "mu": sets["scheduler.steps_per_burst"], "published_s": {str(v): t for v, t in sorted(published.items())},
+         "kept": {str(v): d for v, d in kept.items()}, "run_s": round(max(ends), 2) if ends else None,
+         "train": [(int(r["step"]), float(r["ended_s"]), r.get("mean_reward")) for r in recs if "ended_s" in r],
+         "mean_staleness": s["mean_staleness"], "clip_fraction": [r.get("clip_fraction") for r in recs],
+         "role_switches": len(s.get("role_switches", [])), "executions": s["executions"], "out": str(out)}
+    saved.write_text(json.dumps(r, indent=1))
+    return r
+
+
+def exact_eval(model: str, out: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """``gyre-orchestrate eval`` of one model folder on the held-out records (kept in ``out``)."""
+    saved = out / "summary.json"
+    if not saved.is_file():
+        p = cli("eval", "--model", model, "--config", str(LOOKUP / "job.toml"), "--out", str(out), "--json-summary",
+                "--set", f"eval.samples={a.eval_samples}", "--set", f"eval.max_concurrent={a.eval_concurrency}",
+                timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"evaluation of {model} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    ev = json.loads(saved.read_text())["evaluation"]
+    return {"mean_reward": ev["mean_reward"], "executions": ev["executions"], "unresolved": ev["unresolved"]}
+
+
+def held_out_curve(run: dict[str, Any], start: dict[str, Any], a: argparse.Namespace) -> None:
+    """``run["held_out"]``: (version, published at, exact held-out pass@1), version 0 the warm start;
+    and the time to the target."""
+    curve = [(0, 0.0, start["mean_reward"])]
+    for v, model in sorted(run["kept"].items(), key=lambda kv: int(kv[0])):
+        ev = exact_eval(model, Path(run["out"]) / f"eval-v{v}", a)
+        curve.append((int(v), run["published_s"].get(v, math.nan), ev["mean_reward"]))
+    run["held_out"] = curve
+    run["time_to_target_s"] = time_to_target(curve, a.target)
 
 
 def times_to_target(runs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -152,8 +202,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--target", type=float, default=0.4, help="held-out pass@1 that counts as trained")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--target", type=float, default=0.5, help="held-out pass@1 that counts as trained")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="keep and evaluate every this many versions (0: the least common multiple of the "
+                         "modes' μ, so that every mode publishes those versions)")
+    ap.add_argument("--eval-samples", type=int, default=4, help="samples per held-out record")
+    ap.add_argument("--eval-concurrency", type=int, default=16)
+    ap.add_argument("--reuse-runs", action="store_true", help="keep the runs already in --out; evaluate what is left")
     ap.add_argument("--time-scale", type=float, default=0.002, help="seconds of execution per recorded second")
     ap.add_argument("--staleness", type=float, default=1.0, help="the common target E[d]")
     ap.add_argument("--step-s", type=float, default=4.0, help="estimated full-pool step, for the burst search")
@@ -179,11 +235,15 @@ def main() -> int:
     timeout_s = round(PAPER_122B.harness_timeout_h * 3600 * a.time_scale + 60.0, 1)
     phi_g, mu_g = gyre_burst(a, trace, shape)
     print(f"burst search: Gyre φ={phi_g:g}, μ={mu_g} at E[d]={a.staleness:g}", file=sys.stderr, flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {}
-    splits_seen: dict[str, Any] = {}
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    burst = {m: (phi_g, mu_g) if m == "gyre" else solve_burst(m, a.staleness) for m in modes}
+    # only published versions are kept as model folders, and a mode publishes every μ-th one
+    a.eval_every = a.eval_every or math.lcm(*(mu for _, mu in burst.values()))
+    print(f"evaluating versions {a.eval_every}, {2 * a.eval_every}, ... and {a.steps}", file=sys.stderr, flush=True)
+    trained: list[tuple[str, int, list[dict[str, Any]]]] = []  # (mode, seed, its runs)
     failures: list[dict[str, Any]] = []
-    for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-        phi, mu = (phi_g, mu_g) if mode == "gyre" else solve_burst(mode, a.staleness)
+    for mode in modes:
+        phi, mu = burst[mode]
         sets = {"scheduler.mode": mode, "scheduler.extra_dispatch": float(phi), "scheduler.steps_per_burst": mu}
         for seed in a.seeds:
             variants = [(mode, sets)] if mode != "async" else [
@@ -197,21 +257,37 @@ def main() -> int:
                     failures.append({"label": label, "seed": seed, "error": str(e)[-2000:]})
                     print(f"{label} seed {seed} failed: {str(e)[-500:]}", file=sys.stderr, flush=True)
                     continue
-                print(json.dumps({k: r[k] for k in ("label", "seed", "time_to_target_s", "run_s", "held_out")}),
-                      file=sys.stderr, flush=True)
+                print(json.dumps({k: r[k] for k in ("label", "seed", "run_s", "published_s")}), file=sys.stderr,
+                      flush=True)
                 done.append(r)
-            if not done:
-                continue
-            best = best_async(done) if mode == "async" else done[0]
-            if mode == "async":
-                splits_seen[str(seed)] = {r["label"]: r["time_to_target_s"] for r in done}
-            runs.setdefault(mode, []).append(best)
+            if done:
+                trained.append((mode, seed, done))
+    # every run has ended: each kept version is evaluated alone, with the machine to itself
+    print("evaluating the warm start and the kept versions ...", file=sys.stderr, flush=True)
+    start_eval = exact_eval(str(a.model), root / "eval-warm-start", a)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    splits_seen: dict[str, Any] = {}
+    for mode, seed, done in trained:
+        for r in done:
+            try:
+                held_out_curve(r, start_eval, a)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failures.append({"label": r["label"], "seed": seed, "error": str(e)[-2000:]})
+                r["held_out"], r["time_to_target_s"] = [], None
+            print(json.dumps({k: r[k] for k in ("label", "seed", "time_to_target_s", "held_out")}), file=sys.stderr,
+                  flush=True)
+        best = best_async(done) if mode == "async" else done[0]
+        if mode == "async":
+            splits_seen[str(seed)] = {r["label"]: r["time_to_target_s"] for r in done}
+        runs.setdefault(mode, []).append(best)
 
     ttt, speedup = times_to_target(runs)
     result: dict[str, Any] = {
         "benchmark": "time_to_reward", "task": "lookup", "seeds": a.seeds, "steps": a.steps, "target": a.target,
-        "time_scale": a.time_scale, "staleness": a.staleness, "harness_timeout_s": timeout_s,
-        "job": shape, "warm_start": {k: start[k] for k in ("pass_rate", "steps", "hidden", "layers")},
+        "time_scale": a.time_scale, "staleness": a.staleness, "eval_every": a.eval_every, "harness_timeout_s": timeout_s,
+        "job": shape, "warm_start": {**{k: start[k] for k in ("pass_rate", "steps", "hidden", "layers")},
+                                    "held_out_exact": start_eval},
+        "eval_samples_per_record": a.eval_samples,
         "gyre_burst": {"phi": phi_g, "mu": mu_g}, "async_splits": splits_seen,
         "time_to_target_s": ttt, "speedup_to_target": speedup,
         "run_s": {m: {r["seed"]: r["run_s"] for r in rs} for m, rs in runs.items()},

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from gyre_core.dataplane.materialise import TrainingRow
 from gyre_core.dataplane.objective import GSPOConfig
 from gyre_core.dataplane.packing import MicroStep, Pack
-from gyre_core.interfaces import RoleClass
+from gyre_core.interfaces import EngineOptions, MooncakeOptions, RoleClass
 from gyre_core.trajectory import TrajectoryRow
 from gyre_megatron.control import ControlClient, ControlServer, write_key
 from gyre_megatron.model import ModelSpec
@@ -164,8 +164,12 @@ def test_a_micro_step_and_the_rank_options_cross_by_value() -> None:
             x, y = getattr(a.row, f), getattr(b.row, f)
             assert x.dtype == y.dtype and torch.equal(x, y)
         assert torch.equal(a.loss_weights, b.loss_weights)
-    opts = RankOptions(cells=3, pp=2, objective=GSPOConfig(5.0, 0.1, 0.2), mooncake={"protocol": "tcp"})
+    opts = RankOptions(cells=3, pp=2, objective=GSPOConfig(5.0, 0.1, 0.2), mooncake=MooncakeOptions(protocol="tcp", peer="10.0.0.1"))
     assert decode(*encode(opts)) == opts
+    # a torchrun cell's engine is started by its node's first rank, with the run's engine options
+    engine = EngineOptions(extra_args=("--dtype", "float32"), api_key="k", log_path="/tmp/e.log", base_gpu_id=2,
+                           tp_size=2, memory_saver=True, mooncake=MooncakeOptions(peer="10.0.0.1"))
+    assert decode(*encode(engine)) == engine
 
 
 def test_anything_else_does_not_cross() -> None:

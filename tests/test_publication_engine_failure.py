@@ -102,7 +102,7 @@ class StandInOrchestrator:
         self.publication.in_flight = 2
 
         def make_serving(engine: int, options: Any) -> StandInServing:
-            return StandInServing(options["url"])
+            return StandInServing(options.url)
 
         self.pm = SimpleNamespace(hook=SimpleNamespace(
             gyre_make_engine_client=lambda url, options: StandInEngineClient(url),

@@ -63,6 +63,7 @@ def test_role_switches_release_and_restore_a_real_models_state(tmp_path: Path) -
     from gyre_core.interfaces import WeightsRef
     from gyre_core.tiny_model import build_tiny_model
     from gyre_megatron.export import publish
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
@@ -95,7 +96,7 @@ def test_role_switches_release_and_restore_a_real_models_state(tmp_path: Path) -
         assert left["released_bytes"] >= expected_state and left["remaining_bytes"] == 0
         used_rank_idle = _used_bytes()
         pub = tmp_path / "weights"
-        v = publish(w, {"publish_dir": str(pub)}, version=1)
+        v = publish(w, PublicationOptions(folder=str(pub)), version=1)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
             if (model_dir / name).exists():
                 (Path(v.location) / name).write_bytes((model_dir / name).read_bytes())
@@ -127,7 +128,7 @@ def test_role_switches_release_and_restore_a_real_models_state(tmp_path: Path) -
                 rec["rank_leave_s"] = time.monotonic() - t
                 rec["released_bytes"] = gone[0]["released_bytes"]
                 rec["used_rank_released"] = _used_bytes()
-                ref = await asyncio.to_thread(publish, w, {"publish_dir": str(pub)}, i + 1)
+                ref = await asyncio.to_thread(publish, w, PublicationOptions(folder=str(pub)), i + 1)
                 t1 = time.monotonic()
                 await side.ato_rollout(WeightsRef(version=i + 1, location=ref.location))
                 rec["engine_resume_s"] = time.monotonic() - t1

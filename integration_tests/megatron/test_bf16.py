@@ -109,6 +109,7 @@ def test_bf16_training_publishes_bf16(tmp_path, family: str) -> None:
 
     from gyre_core.published_weights import WeightPuller
     from gyre_megatron.export import gather_serving_tensors, publish, write
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.launch import World
     from gyre_megatron.model import ModelSpec
     from gyre_megatron.runtime import RankOptions
@@ -118,7 +119,7 @@ def test_bf16_training_publishes_bf16(tmp_path, family: str) -> None:
     spec = ModelSpec(hidden_size=64, ffn_hidden_size=128, num_layers=2, vocab_size=128, family=family,
                      qkv_bias=False, qk_norm=True, head_dim=32, **experts)
     with World(RankOptions(cells=1, pp=1, spec=spec, precision="bf16"), n_queues=1) as w:
-        ref = publish(w, {"publication": "mooncake"}, 1)
+        ref = publish(w, PublicationOptions(transport="mooncake"), 1)
         puller = WeightPuller("127.0.0.1")
         try:
             pulled = {n: t.clone() for n, t in puller.pull(ref.location).tensors()}

@@ -23,11 +23,12 @@ from gyre_megatron.testing import make_items  # noqa: E402
 
 def test_export_pp1_logits_match_hf(tmp_path) -> None:
     from gyre_megatron.export import publish
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
 
     with World(RankOptions(cells=1, pp=1), n_queues=1) as w:
-        ref = publish(w, {"publish_dir": str(tmp_path)}, version=3)
+        ref = publish(w, PublicationOptions(folder=str(tmp_path)), version=3)
         tokens = make_items(1, seed=5)[0]["tokens"]
         mlogits = w.call([0], "logits", tokens)[0]  # [1, S, V]
     assert ref.version == 3 and ref.location.endswith("v3")

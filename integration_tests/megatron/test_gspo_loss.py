@@ -55,6 +55,7 @@ SPLIT_CLIPPED = 3
 @pytest.fixture(scope="module", params=["pp1", "pp2", "moe-tp2-ep2"])
 def world(request, tmp_path_factory):
     from gyre_megatron.export import load_hf_model, publish
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
@@ -68,7 +69,7 @@ def world(request, tmp_path_factory):
     else:
         opts = RankOptions(cells=1, pp=int(request.param[-1]), normalise_by_tokens=False)
     with World(opts, n_queues=8) as w:
-        ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo"))}, version=0)
+        ref = publish(w, PublicationOptions(folder=str(tmp_path_factory.mktemp("gspo"))), version=0)
         hf = load_hf_model(ref.location).double()
         yield w, hf
 
@@ -229,7 +230,7 @@ def world_k2(tmp_path_factory):
 
     opts = RankOptions(cells=2, pp=1, normalise_by_tokens=False, keep_update_grads=True)
     with World(opts, n_queues=1 + JOIN_ATTEMPTS) as w:
-        ref = publish(w, {"publish_dir": str(tmp_path_factory.mktemp("gspo-k2"))}, version=0)
+        ref = publish(w, PublicationOptions(folder=str(tmp_path_factory.mktemp("gspo-k2"))), version=0)
         yield w, load_hf_model(ref.location).double()
 
 

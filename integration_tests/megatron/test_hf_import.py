@@ -90,10 +90,11 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
 
 def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
     from gyre_megatron.export import load_hf_model, publish
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.testing import read_weights
 
     w, ckpt, original, out = imported
-    ref = publish(w, {"publish_dir": str(out), "publication": "disk"}, version=0)
+    ref = publish(w, PublicationOptions(folder=str(out)), version=0)
     exported = read_weights(ref.location)  # each stage wrote its own file
     expected = {k: v for k, v in original.items() if not (w.opts.spec.tie_embeddings and k == "lm_head.weight")}
     assert set(exported) == set(expected)
@@ -118,7 +119,7 @@ def test_a_mooncake_publication_is_pulled_from_every_stage(imported) -> None:
     w, _, original, _ = imported
     if w.opts.spec.tie_embeddings or w.opts.spec.family == "llama":
         pytest.skip("one publication check per layout family is enough")
-    ref = publish(w, {"publication": "mooncake"}, version=5)
+    ref = publish(w, PublicationOptions(transport="mooncake"), version=5)
     parts = parse_parts(ref.location)
     assert len(parts) == w.opts.pp and len({p.session for p in parts}) == w.opts.pp  # one per stage process
     puller = WeightPuller("127.0.0.1")

@@ -101,9 +101,10 @@ def test_export_pp2_losses_match_hf(world_k2_pp2, tmp_path) -> None:
     import torch
 
     from gyre_megatron.export import load_hf_model, publish
+    from gyre_core.interfaces import PublicationOptions
 
     w = world_k2_pp2
-    ref = publish(w, {"publish_dir": str(tmp_path)}, version=1)
+    ref = publish(w, PublicationOptions(folder=str(tmp_path)), version=1)
     items = make_items(3, seed=6)
     tk = w.submit(w.ranks_of(0), "stock_vs_stream", items, 4)
     feed_in_bursts(w.queues[4], items, burst=3, gap_s=0)

@@ -76,6 +76,7 @@ def measured(tmp_path_factory):
 
 def _measure(family: str, tmp_path_factory) -> tuple[dict, dict]:
     from gyre_megatron.export import publish
+    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
@@ -92,7 +93,7 @@ def _measure(family: str, tmp_path_factory) -> tuple[dict, dict]:
             core = w.ranks_of(0)
             ranks = {(i["stage"], i["tp_rank"]): i["rank"] for i in w.info}
             assert all(i["device"] == "cpu" and i["node"] == socket.gethostname() for i in w.info)
-            exported = publish(w, {"publish_dir": str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}ep{ep}"))}, version=0)
+            exported = publish(w, PublicationOptions(folder=str(tmp_path_factory.mktemp(f"tp{tp}pp{pp}ep{ep}"))), version=0)
             tk = w.submit(core, "stream_grads_hf", 0)
             feed_in_bursts(w.queues[0], _microsteps(), burst=2, gap_s=0)
             streamed = w.wait(tk, 180)

@@ -37,10 +37,14 @@ def torchrun_sides(tmp_path_factory):
     procs = start_torchrun_nodes(2, 1, f"127.0.0.1:{port}", key_file, tmp,
                                  node_env=[{"GYRE_MOONCAKE_HOST": "127.0.0.2"}, {"GYRE_MOONCAKE_HOST": "127.0.0.4"}])
     pm = plugin_manager()
-    opts = {"cells": 2, "pp": 1, "data_timeout_s": 10.0, "side_timeout_s": 10.0, "heartbeat_s": 0.3,
-            "max_steps": 4, "publish_dir": str(tmp / "weights"), "step_timeout_s": 120,
-            "launcher": "torchrun", "control_host": "127.0.0.1", "control_port": port,
-            "key_file": str(key_file), "join_timeout_s": 180, "mooncake": {"protocol": "tcp", "peer": "127.0.0.1"}}
+    from gyre_core.interfaces import LaunchOptions, MooncakeOptions, PublicationOptions, TrainingOptions
+
+    opts = TrainingOptions(
+        cells=2, pp=1, lr=1e-3, data_timeout_s=10.0, side_timeout_s=10.0, heartbeat_s=0.3, max_steps=4,
+        step_timeout_s=120,
+        publication=PublicationOptions(folder=str(tmp / "weights"), mooncake=MooncakeOptions(peer="127.0.0.1")),
+        launch=LaunchOptions(launcher="torchrun", control_host="127.0.0.1", control_port=port,
+                             key_file=str(key_file), join_timeout_s=180))
     try:
         s0 = pm.hook.gyre_make_training_side(cell=0, options=opts)
         s1 = pm.hook.gyre_make_training_side(cell=1, options=opts)

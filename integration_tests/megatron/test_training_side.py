@@ -42,9 +42,11 @@ def sides(tmp_path_factory):
     from gyre_megatron.side import shutdown_worlds
 
     pm = plugin_manager()
-    opts = {"cells": 3, "pp": 1, "data_timeout_s": DATA_TIMEOUT_S, "side_timeout_s": DATA_TIMEOUT_S,
-            "heartbeat_s": 0.3, "max_steps": 8, "publish_dir": str(tmp_path_factory.mktemp("weights")),
-            "step_timeout_s": 120}
+    from gyre_core.interfaces import PublicationOptions, TrainingOptions
+
+    opts = TrainingOptions(cells=3, pp=1, lr=1e-3, data_timeout_s=DATA_TIMEOUT_S, side_timeout_s=DATA_TIMEOUT_S,
+                           heartbeat_s=0.3, max_steps=8, step_timeout_s=120,
+                           publication=PublicationOptions(folder=str(tmp_path_factory.mktemp("weights"))))
     try:
         s0 = pm.hook.gyre_make_training_side(cell=0, options=opts)
         s1 = pm.hook.gyre_make_training_side(cell=1, options=opts)

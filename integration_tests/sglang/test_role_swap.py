@@ -25,11 +25,12 @@ def swap_server(tiny_model_dir, tmp_path_factory):
 
 
 def test_to_training_then_back_to_rollout(swap_server, tiny_model_dir):
+    from gyre_core.interfaces import ServingOptions
     from gyre_sglang.plugin import gyre_make_serving_side
 
     reported: list[PhaseTiming] = []
-    side = gyre_make_serving_side(engine=2, options={"url": swap_server.url, "api_key": swap_server.api_key,
-                                                         "on_phase": reported.append})
+    side = gyre_make_serving_side(engine=2, options=ServingOptions(url=swap_server.url, api_key=swap_server.api_key))
+    side.on_phase = reported.append  # every phase of both switches is reported
     handed: list[list[str]] = []
 
     async def go():

@@ -327,7 +327,9 @@ def _proxy(args: argparse.Namespace) -> int:
 def _engine_clients(pm: Any, urls: Sequence[str]) -> list:
     """Engine clients from the installed serving plugin (``gyre_make_engine_client``): the core
     does not import SGLang."""
-    clients = [pm.hook.gyre_make_engine_client(url=u, options={}) for u in urls]
+    from gyre_core.interfaces import ServingOptions
+
+    clients = [pm.hook.gyre_make_engine_client(url=u, options=ServingOptions(url=u)) for u in urls]
     if any(c is None for c in clients):
         raise ConfigError("--engine needs a serving plugin (pip install gyre-sglang)")
     return clients

@@ -27,13 +27,16 @@ if TYPE_CHECKING:
     from gyre_core.interfaces import (
         Assessment,
         EngineClient,
+        EngineOptions,
         EngineProcess,
         ExecutionSpec,
         HarnessHandle,
         RoleClass,
+        ServingOptions,
         ServingSide,
         StateRef,
         TaskInstance,
+        TrainingOptions,
         TrainingSide,
         TrajectoryLeaf,
     )
@@ -58,7 +61,7 @@ def gyre_plugin_info() -> dict[str, Any]:  # type: ignore[empty-body]
 
 
 @hookspec(firstresult=True)
-def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> TrainingSide | None:
+def gyre_make_training_side(cell: int, options: TrainingOptions) -> TrainingSide | None:
     """Create the training side of cell ``cell``. firstresult.
 
     Called once per cell by the live orchestrator at start-up, before the first role switch; the
@@ -66,8 +69,8 @@ def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> TrainingSi
     switches). Cell 0 is the core (authoritative weights, optimizer, weight publication); cells
     1..K-1 are satellites that join running batches.
 
-    ``options`` is the training backend's section of the run configuration, as a plain mapping, so
-    that this seam does not depend on the core's config classes.
+    ``options`` (:class:`gyre_core.interfaces.TrainingOptions`) is built once from the run
+    configuration; every cell's call gets the same object.
 
     Return an object implementing :class:`gyre_core.interfaces.TrainingSide`, or ``None`` if this
     plugin does not provide training (or not with these options).
@@ -75,7 +78,7 @@ def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> TrainingSi
 
 
 @hookspec(firstresult=True)
-def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> ServingSide | None:
+def gyre_make_serving_side(engine: int, options: ServingOptions) -> ServingSide | None:
     """Create the serving side of cell ``engine`` (``-1``: a standalone rollout engine). firstresult.
 
     Called once per cell and once per standalone engine by the live orchestrator at start-up. The
@@ -83,7 +86,8 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> ServingSi
     role, ``load_weights`` after each weight publication for engines that stayed in rollout, and
     ``health`` before routing work to it.
 
-    ``options`` is the serving backend's section of the run configuration, as a plain mapping.
+    ``options`` (:class:`gyre_core.interfaces.ServingOptions`): the engine's URL, the run's engine
+    key and how a load is checked (``[publication]``).
 
     Return an object implementing :class:`gyre_core.interfaces.ServingSide`, or ``None`` if this
     plugin does not provide serving (or not with these options).
@@ -91,19 +95,19 @@ def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> ServingSi
 
 
 @hookspec(firstresult=True)
-def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> EngineProcess | None:
+def gyre_start_engine(model_dir: str, options: EngineOptions) -> EngineProcess | None:
     """Start a rollout engine process serving ``model_dir``. firstresult.
 
     Used when Gyre itself brings up the engines (the embedded default, tests); on a cluster the
-    user's own launcher usually starts them and passes their URLs. ``options`` may carry
-    ``max_total_tokens``, ``extra_args`` (passed to the engine unchanged), ``log_path`` and
-    ``start_timeout_s``. Return a started :class:`gyre_core.interfaces.EngineProcess`, or ``None``
-    if this plugin does not start engines.
+    user's own launcher usually starts them and passes their URLs. ``options``
+    (:class:`gyre_core.interfaces.EngineOptions`): ``[serving]``'s settings, the engine's GPUs,
+    its log file and its Mooncake endpoint. Return a started
+    :class:`gyre_core.interfaces.EngineProcess`, or ``None`` if this plugin does not start engines.
     """
 
 
 @hookspec(firstresult=True)
-def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> EngineClient | None:
+def gyre_make_engine_client(url: str, options: ServingOptions) -> EngineClient | None:
     """A token-in/token-out client for the engine at ``url``, used by the TITO proxy. firstresult.
 
     Return a :class:`gyre_core.interfaces.EngineClient`, or ``None`` if this plugin does not speak

@@ -21,21 +21,28 @@ __all__ = [
     "EngineClient",
     "EngineError",
     "EngineProcess",
+    "EngineOptions",
     "EngineUnreachable",
     "ExecutionSpec",
+    "GSPOConfig",
     "GenerateResult",
     "HarnessEnds",
     "HarnessHandle",
     "KVHandOff",
     "KVHandOffEngine",
+    "LaunchOptions",
+    "MooncakeOptions",
     "PhaseTiming",
+    "PublicationOptions",
     "RoleClass",
+    "ServingOptions",
     "ServingSide",
     "StateRef",
     "StepFailed",
     "StepRecovery",
     "StreamHealth",
     "TaskInstance",
+    "TrainingOptions",
     "TrainingSide",
     "TrajectoryLeaf",
     "Validity",
@@ -210,6 +217,138 @@ class WeightsRef:
 
     version: int
     location: str
+
+
+# --------------------------------------------------------------------------- options across the seam
+# What a plugin is handed to build its part, built once from the run configuration
+# (:mod:`gyre_core.orchestrator.plugin_options`): each setting has one name and one default here,
+# and a plugin reads fields, never keys.
+
+
+@dataclass(frozen=True)
+class GSPOConfig:
+    """The GSPO objective's settings (``training.importance_cap``, ``clip_low``, ``clip_high``);
+    the paper's by default: token weights capped at 5, clipping ``[0.995, 1.005]``."""
+
+    token_weight_cap: float = 5.0
+    clip_low: float = 0.005
+    """ε_low: the lower clipping bound is ``1 − clip_low``."""
+    clip_high: float = 0.005
+    """ε_high: the upper clipping bound is ``1 + clip_high``."""
+
+    def __post_init__(self) -> None:
+        if not self.token_weight_cap > 0:
+            raise ValueError(f"token_weight_cap must be > 0, got {self.token_weight_cap}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+
+
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """How every Mooncake engine of a run connects: publication, satellite joins, KV hand-off."""
+
+    protocol: str = "tcp"
+    """``tcp``, or ``rdma`` (then ``device`` names the NICs)."""
+    device: str = ""
+    host: str = ""
+    """The address this endpoint advertises; empty: its own node's, found toward ``peer``."""
+    peer: str = ""
+    """A host the endpoint must reach (the control host on a cluster; empty: this machine)."""
+
+
+@dataclass(frozen=True)
+class PublicationOptions:
+    """How each published policy version reaches the engines (``[publication]``)."""
+
+    transport: str = "disk"
+    """``mooncake`` (one registered buffer per version, pulled by every engine) or ``disk``."""
+    folder: str = "gyre-weights"
+    """``disk``: where version ``v`` is written, as ``<folder>/v<v>``."""
+    mooncake: MooncakeOptions = MooncakeOptions()
+    version_wait_s: float = 30.0
+    """How long a load waits for the engine to report the version it loaded."""
+    load_attempts: int = 2
+    """Tries of one engine's load before it is called failed."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where a run's ranks start (``[cluster]``): spawned here, by ``torchrun``, or as Ray actors."""
+
+    launcher: str = "local"
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    key_file: str = ""
+    join_timeout_s: float = 600.0
+    ray_address: str = ""
+    ray_gpus_per_rank: float = 0.0
+    ray_resources_per_rank: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """What the training plugin builds every cell's side from (``gyre_make_training_side``)."""
+
+    cells: int
+    model: Mapping[str, Any] = field(default_factory=dict)
+    """The tiny model's sizes (unused when ``init_from`` names a checkpoint)."""
+    init_from: str = ""
+    """A Hugging Face model folder whose sizes and weights every cell starts from."""
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    precision: str = "fp32"
+    lr: float = 1e-4
+    clip_grad: float = 1.0
+    objective: GSPOConfig = GSPOConfig()
+    normalise_by_tokens: bool = True
+    """Divide gradients by loss-bearing tokens; off for the data plane's ``W_t``, which already
+    normalise per execution."""
+    burst_steps: int = 0
+    """μ: the steps of one burst (a satellite joins each of them)."""
+    max_steps: int = 16
+    """Micro-step queues to create before the ranks start: one a step, plus re-streams."""
+    step_timeout_s: float = 600.0
+    data_timeout_s: float = 60.0
+    """How long a gradient collective waits for a peer (``training.collective_timeout_s``)."""
+    side_timeout_s: float = 60.0
+    heartbeat_s: float = 0.5
+    log_dir: str = ""
+    """Where each rank writes ``rank<N>.log`` (empty: the parent's console)."""
+    publication: PublicationOptions = PublicationOptions()
+    launch: LaunchOptions = LaunchOptions()
+    announce: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+    """Progress lines while ranks join (cluster launchers)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to start one engine (``gyre_start_engine``; ``[serving]`` and the cell's GPUs)."""
+
+    max_total_tokens: int = 16384
+    extra_args: tuple[str, ...] = ()
+    start_timeout_s: float = 300.0
+    api_key: str | None = field(default=None, repr=False)
+    """The run's engine key: every route but health needs it."""
+    log_path: str | None = None
+    host: str = "127.0.0.1"
+    base_gpu_id: int | None = None
+    tp_size: int = 1
+    memory_saver: bool = False
+    """Start with memory release and resume enabled (a cell's engine, which yields to training)."""
+    mooncake: MooncakeOptions | None = None
+    """The engine's Mooncake endpoint (weight pulls, KV hand-off); ``None``: none."""
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """What the serving plugin drives one engine with (``gyre_make_serving_side`` and
+    ``gyre_make_engine_client``)."""
+
+    url: str
+    api_key: str | None = field(default=None, repr=False)
+    version_wait_s: float = 30.0
+    load_attempts: int = 2
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from gyre_core.interfaces import PublicationOptions, WeightsRef
 from gyre_megatron.model import megatron_name
 from gyre_megatron.tp_layout import merge_tp
 
@@ -144,7 +145,6 @@ def write(world: Any, version: int, folder: str | Path) -> Any:
     its own weight file (tensor shards merged on the stage's first rank), in the parameters'
     dtype; this process writes only the index (several stages) and ``config.json``. No process
     holds more than one stage's weights. Returns the folder's :class:`WeightsRef`."""
-    from gyre_core.interfaces import WeightsRef
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,19 +157,17 @@ def write(world: Any, version: int, folder: str | Path) -> Any:
     return WeightsRef(version=version, location=str(out))
 
 
-def publish(world: Any, options: Mapping[str, Any], version: int) -> Any:
-    """Publish policy ``version`` where the engines load it, by the run's transport
-    (``options["publication"]``, which ``gyre-orchestrate run`` always sets; ``mooncake`` is the
-    run's default): ``mooncake``: each stage of the core registers its own part and the location
-    lists the parts (:func:`gyre_core.published_weights.compose`); nothing is gathered or written.
-    ``disk`` (also when the option is absent): :func:`write` into ``publish_dir/v<version>``."""
-    if str(options.get("publication", "disk")) == "mooncake":
-        from gyre_core.interfaces import WeightsRef
+def publish(world: Any, publication: PublicationOptions, version: int) -> Any:
+    """Publish policy ``version`` where the engines load it, by the run's transport:
+    ``mooncake``: each stage of the core registers its own part and the location lists the parts
+    (:func:`gyre_core.published_weights.compose`); nothing is gathered or written. ``disk``:
+    :func:`write` into ``<publication.folder>/v<version>``."""
+    if publication.transport == "mooncake":
         from gyre_core.published_weights import compose
 
         parts = [p for p in world.call(world.ranks_of(0), "publish_part", version) if p]
         return WeightsRef(version=version, location=compose(version, parts))
-    return write(world, version, Path(options.get("publish_dir", "gyre-weights")) / f"v{version}")
+    return write(world, version, Path(publication.folder) / f"v{version}")
 
 
 def release_older_than(world: Any, version: int) -> None:

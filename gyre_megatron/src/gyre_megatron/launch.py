@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch.multiprocessing as mp
 
 from gyre_core.dataplane.microstep_queue import MicroStepQueue
+from gyre_core.interfaces import EngineOptions
 from gyre_megatron.runtime import RankOptions, worker_main
 
 __all__ = ["ClusterWorld", "RankError", "RemoteEngine", "World"]
@@ -320,10 +321,10 @@ class ClusterWorld(_Ranks):
         self.server.send_engine(rank, (seq, op, args, {}))
         return self._collect(Ticket((rank,), seq), timeout)[0]
 
-    def start_engine(self, cell: int, model_dir: str, options: dict[str, Any]) -> RemoteEngine:
+    def start_engine(self, cell: int, model_dir: str, options: EngineOptions) -> RemoteEngine:
         """Start cell ``cell``'s SGLang server on the cell's node (by its first rank)."""
         rank = self.ranks_of(cell)[0]
-        timeout = float(options.get("start_timeout_s", 300.0)) + 30.0
+        timeout = options.start_timeout_s + 30.0
         engine_id, url = self.engine_call(rank, "start", model_dir, options, timeout=timeout)
         return RemoteEngine(self, rank, engine_id, url)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
+from gyre_core.interfaces import TrainingOptions
 
 from gyre_megatron import __version__
 
@@ -21,12 +22,9 @@ def gyre_plugin_info() -> dict[str, Any]:
 
 
 @hookimpl
-def gyre_make_training_side(cell: int, options: Mapping[str, Any]) -> Any:
-    """Options: ``cells`` (K, required), ``pp``, ``model`` (ModelSpec fields), ``lr``,
-    ``clip_grad``, ``burst_steps``, ``max_steps``, timeouts, ``publish_dir``. ``None`` when
-    ``options`` are not for Megatron (no ``cells``) or megatron-core is not installed."""
-    if "cells" not in options:
-        return None
+def gyre_make_training_side(cell: int, options: TrainingOptions) -> Any:
+    """Cell ``cell``'s side over megatron-core ranks (the first call of a run starts them all);
+    ``None`` when megatron-core is not installed."""
     try:
         import megatron.core  # noqa: F401
     except ImportError:

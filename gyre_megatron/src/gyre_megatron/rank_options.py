@@ -6,10 +6,9 @@ Its own module, below :mod:`gyre_megatron.runtime` (which builds a rank from it)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping
+from dataclasses import dataclass
 
-from gyre_core.dataplane.objective import GSPOConfig
+from gyre_core.interfaces import GSPOConfig, MooncakeOptions
 from gyre_megatron.model import ModelSpec
 
 __all__ = ["RankOptions"]
@@ -38,10 +37,9 @@ class RankOptions:
     objective: GSPOConfig = GSPOConfig()
     """GSPO settings for data-plane micro-steps (``training.importance_cap``, ``clip_low``,
     ``clip_high``), built once from the run configuration and handed as is to every loss."""
-    mooncake: Mapping[str, str] = field(default_factory=dict)
-    """Each rank's Mooncake endpoint for satellite joins: ``protocol``, ``device``, ``host``
-    (empty: every rank advertises its own node's address, see
-    :func:`gyre_core.transfer_endpoint.advertised_host`), ``peer`` (the host it must reach)."""
+    mooncake: MooncakeOptions = MooncakeOptions()
+    """Each rank's Mooncake endpoint for satellite joins (an empty ``host``: every rank advertises
+    its own node's address, see :func:`gyre_core.transfer_endpoint.advertised_host`)."""
     log_dir: str = ""
     """A folder for ``rank<N>.log``: a rank the orchestrator spawns writes its stdout and stderr
     there (upstream notices, native logs), as each engine does to ``engine<N>.log``. Empty: the

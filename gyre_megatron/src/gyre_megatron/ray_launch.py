@@ -17,6 +17,7 @@ when this launcher is chosen (``pip install 'gyre-megatron[ray]'``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue as queue_mod
 import socket
@@ -24,6 +25,7 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
+from gyre_core.interfaces import EngineOptions
 from gyre_megatron.launch import _Ranks
 from gyre_megatron.runtime import RankOptions
 
@@ -154,19 +156,18 @@ class EngineActor:
         die_with_parent()
         self.engine: Any = None
 
-    def start(self, model_dir: str, options: Mapping[str, Any]) -> tuple[str, str]:
+    def start(self, model_dir: str, options: EngineOptions) -> tuple[str, str]:
         from gyre_core.plugins import plugin_manager
 
-        options = dict(options)
-        if options.get("log_path"):
-            os.makedirs(os.path.dirname(str(options["log_path"])) or ".", exist_ok=True)
+        if options.log_path:
+            os.makedirs(os.path.dirname(options.log_path) or ".", exist_ok=True)
         ray = _ray()
         engine = plugin_manager().hook.gyre_start_engine(model_dir=model_dir, options=options)
         if engine is None:
             raise RuntimeError("no serving backend on this node: install gyre-sglang (and SGLang)")
         self.engine = engine
         url = engine.url
-        if str(options.get("host", "127.0.0.1")) in ("0.0.0.0", "::", ""):
+        if options.host in ("0.0.0.0", "::", ""):
             from urllib.parse import urlsplit, urlunsplit
 
             parts = urlsplit(url)
@@ -340,7 +341,7 @@ class RayWorld(_Ranks):
         """Kill rank ``rank``'s actor outright (fault injection)."""
         self.ray.kill(self.actors[rank], no_restart=True)
 
-    def start_engine(self, cell: int, model_dir: str, options: dict[str, Any]) -> RayEngine:
+    def start_engine(self, cell: int, model_dir: str, options: EngineOptions) -> RayEngine:
         """Start cell ``cell``'s SGLang server as an actor in the cell's first bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -350,11 +351,11 @@ class RayWorld(_Ranks):
         # starts at the first GPU Ray gave the cell's ranks, spanning all of them.
         gpus = sorted(g for r in self.ranks_of(cell) for g in self.info[r].get("gpu_ids", []))
         if gpus:
-            options = {**options, "base_gpu_id": gpus[0], "tp_size": len(gpus)}
+            options = dataclasses.replace(options, base_gpu_id=gpus[0], tp_size=len(gpus))
         actor = cls.options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.groups[cell], placement_group_bundle_index=0),
             runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote()
-        timeout = float(options.get("start_timeout_s", 300.0)) + 30.0
+        timeout = options.start_timeout_s + 30.0
         url, node = self.ray.get(actor.start.remote(model_dir, options), timeout=timeout)
         self.engines[cell] = RayEngine(actor, url, node, 60.0)
         return self.engines[cell]

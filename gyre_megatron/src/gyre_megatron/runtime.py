@@ -180,11 +180,10 @@ class CellRank(RankChecks):
             m = self.opts.mooncake
             # the address of this rank's node toward the orchestrator (a wildcard control host
             # names no peer: then toward the address this rank dialed, or the rendezvous host)
-            peer = m.get("peer") if m.get("peer") not in WILDCARDS else None
+            peer = m.peer if m.peer not in WILDCARDS else None
             dialed = os.environ.get("GYRE_CONTROL", "").rpartition(":")[0]
-            host = m.get("host") or advertised_host(peer or dialed or os.environ.get("MASTER_ADDR"))
-            self._transport = WeightTransport(self.store, MooncakeEndpoint(
-                host, m.get("protocol") or "tcp", m.get("device") or ""))
+            host = m.host or advertised_host(peer or dialed or os.environ.get("MASTER_ADDR"))
+            self._transport = WeightTransport(self.store, MooncakeEndpoint(host, m.protocol, m.device))
         return self._transport
 
     def _shape_of(self, item: Any) -> list[tuple[int, ...]]:

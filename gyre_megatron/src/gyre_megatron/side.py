@@ -18,9 +18,9 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from gyre_core.interfaces import PhaseTiming, WeightsRef
+from gyre_core.interfaces import EngineOptions, PhaseTiming, TrainingOptions, WeightsRef
 
 __all__ = ["MegatronTrainingSide", "shutdown_worlds"]
 
@@ -31,56 +31,46 @@ _queue_of: "weakref.WeakKeyDictionary[Any, dict[int, int]]" = weakref.WeakKeyDic
 _lock = threading.Lock()
 
 
-def _world_for(options: Mapping[str, Any]) -> Any:
-    from gyre_core.dataplane.objective import GSPOConfig
+def _world_for(options: TrainingOptions) -> Any:
     from gyre_megatron.launch import World
     from gyre_megatron.model import ModelSpec
     from gyre_megatron.runtime import RankOptions
 
-    key = tuple(sorted((k, repr(v)) for k, v in options.items() if k != "announce"))
+    key = repr(options)  # one world per run's options (the progress callback is not part of it)
     with _lock:
         if key not in _worlds:
-            init_from = str(options.get("init_from") or "")
-            if init_from:  # the user's checkpoint: every size from its config.json
+            if options.init_from:  # the user's checkpoint: every size from its config.json
                 from gyre_megatron.hf_import import spec_from_hf_dir
 
-                spec = spec_from_hf_dir(init_from, seed=int(dict(options.get("model", {})).get("seed", 1234)))
+                spec = spec_from_hf_dir(options.init_from, seed=int(options.model.get("seed", 1234)))
             else:
-                spec = ModelSpec(**dict(options.get("model", {})))
+                spec = ModelSpec(**dict(options.model))
             opts = RankOptions(
-                cells=int(options["cells"]), pp=int(options.get("pp", 1)), tp=int(options.get("tp", 1)),
-                ep=int(options.get("ep", 1)), spec=spec,
-                precision=str(options.get("precision", "fp32")),
-                lr=float(options.get("lr", 1e-3)), clip_grad=float(options.get("clip_grad", 1.0)),
-                data_timeout_s=float(options.get("data_timeout_s", 60.0)),
-                side_timeout_s=float(options.get("side_timeout_s", 60.0)),
-                heartbeat_s=float(options.get("heartbeat_s", 0.5)),
-                normalise_by_tokens=bool(options.get("normalise_by_tokens", True)), init_from=init_from,
-                objective=options.get("objective") or GSPOConfig(),
-                mooncake=dict(options.get("mooncake") or {}), log_dir=str(options.get("log_dir") or ""),
+                cells=options.cells, pp=options.pp, tp=options.tp, ep=options.ep, spec=spec,
+                precision=options.precision, lr=options.lr, clip_grad=options.clip_grad,
+                data_timeout_s=options.data_timeout_s, side_timeout_s=options.side_timeout_s,
+                heartbeat_s=options.heartbeat_s, normalise_by_tokens=options.normalise_by_tokens,
+                init_from=options.init_from, objective=options.objective,
+                mooncake=options.publication.mooncake, log_dir=options.log_dir,
             )
-            n_queues = int(options.get("max_steps", 16))
-            launcher = str(options.get("launcher", "local"))
-            if launcher == "local":
-                _worlds[key] = World(opts, n_queues=n_queues)
-            elif launcher == "torchrun":
+            launch = options.launch
+            if launch.launcher == "local":
+                _worlds[key] = World(opts, n_queues=options.max_steps)
+            elif launch.launcher == "torchrun":
                 from gyre_megatron.launch import ClusterWorld
 
                 _worlds[key] = ClusterWorld(
-                    opts, n_queues, str(options.get("control_host", "127.0.0.1")),
-                    int(options.get("control_port", 0)), str(options["key_file"]),
-                    join_timeout_s=float(options.get("join_timeout_s", 600.0)),
-                    announce=options.get("announce"))
-            elif launcher == "ray":
+                    opts, options.max_steps, launch.control_host, launch.control_port, launch.key_file,
+                    join_timeout_s=launch.join_timeout_s, announce=options.announce)
+            elif launch.launcher == "ray":
                 from gyre_megatron.ray_launch import RayWorld
 
                 _worlds[key] = RayWorld(
-                    opts, n_queues, str(options.get("ray_address") or ""),
-                    gpus_per_rank=float(options.get("ray_gpus_per_rank", 0.0)),
-                    resources_per_rank=dict(options.get("ray_resources_per_rank") or {}),
-                    start_timeout_s=float(options.get("join_timeout_s", 600.0)), announce=options.get("announce"))
+                    opts, options.max_steps, launch.ray_address, gpus_per_rank=launch.ray_gpus_per_rank,
+                    resources_per_rank=dict(launch.ray_resources_per_rank),
+                    start_timeout_s=launch.join_timeout_s, announce=options.announce)
             else:
-                raise ValueError(f"launcher {launcher!r}: expected 'local', 'torchrun' or 'ray'")
+                raise ValueError(f"launcher {launch.launcher!r}: expected 'local', 'torchrun' or 'ray'")
         return _worlds[key]
 
 
@@ -94,13 +84,13 @@ def shutdown_worlds() -> None:
 
 
 class MegatronTrainingSide:
-    def __init__(self, cell: int, options: Mapping[str, Any]) -> None:
+    def __init__(self, cell: int, options: TrainingOptions) -> None:
         self.cell = cell
-        self.options = dict(options)
+        self.options = options
         self.world = _world_for(options)
         self.ranks = self.world.ranks_of(cell)
-        self.timeout_s = float(options.get("step_timeout_s", 600.0))
-        self.burst_steps = int(options.get("burst_steps", 0))
+        self.timeout_s = options.step_timeout_s
+        self.burst_steps = options.burst_steps
         self._tickets: dict[int, Any] = {}
         self.last_step_info: list[dict[str, Any]] = []
         """Per-rank statistics of the last step this cell closed (claims, m, pull, grad norm)."""
@@ -215,13 +205,13 @@ class MegatronTrainingSide:
         self._tickets.clear()
         return {"restart_s": time.monotonic() - t0, "restarts": int(self.world.restarts)}
 
-    def start_engine(self, model_dir: str, options: Mapping[str, Any]) -> Any:
+    def start_engine(self, model_dir: str, options: EngineOptions) -> Any:
         """Start this cell's SGLang server where the cell's ranks run (``launcher = "torchrun"``:
         on the cell's node, by its first rank). Returns an engine with ``url``, ``stop``, ``kill``."""
         start = getattr(self.world, "start_engine", None)
         if start is None:
             raise ValueError("start_engine is for ranks started by a cluster launcher; local runs start engines here")
-        return start(self.cell, model_dir, dict(options))
+        return start(self.cell, model_dir, options)
 
     def save_checkpoint(self, path: str) -> None:
         """Core only: persist the training state after a step (weights, optimizer, version)."""
@@ -242,7 +232,7 @@ class MegatronTrainingSide:
             raise ValueError("only the core publishes weights")
         from gyre_megatron.export import publish
 
-        return publish(self.world, self.options, version)
+        return publish(self.world, self.options.publication, version)
 
     def write_weights(self, version: int, folder: str) -> WeightsRef:
         """Policy ``version`` as an HF checkpoint's weights and ``config.json`` in ``folder``,

@@ -11,6 +11,7 @@ the orchestrator asks (a second thread, so a rank busy in a training step can st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
@@ -46,21 +47,21 @@ def _serve_engines(client: ControlClient) -> None:
         try:
             if op == "start":
                 model_dir, options = args
-                mooncake = dict(options.get("mooncake") or {})
-                if mooncake and mooncake.get("peer") in (None, "", "0.0.0.0", "::"):
-                    mooncake["peer"] = client.host  # the engine advertises this node's route to the orchestrator
-                    options = {**options, "mooncake": mooncake}
+                if options.mooncake is not None and options.mooncake.peer in ("", "0.0.0.0", "::"):
+                    # the engine advertises this node's route to the orchestrator
+                    options = dataclasses.replace(options, mooncake=dataclasses.replace(options.mooncake,
+                                                                                        peer=client.host))
                 pm = pm or plugin_manager()
-                if options.get("log_path"):
-                    os.makedirs(os.path.dirname(str(options["log_path"])) or ".", exist_ok=True)
+                if options.log_path:
+                    os.makedirs(os.path.dirname(options.log_path) or ".", exist_ok=True)
                 if "LOCAL_RANK" in os.environ:  # the cell's first rank: its GPUs start at this one
-                    options = {**options, "base_gpu_id": int(os.environ["LOCAL_RANK"])}
+                    options = dataclasses.replace(options, base_gpu_id=int(os.environ["LOCAL_RANK"]))
                 engine = pm.hook.gyre_start_engine(model_dir=model_dir, options=options)
                 if engine is None:
                     raise RuntimeError("no serving backend on this node: install gyre-sglang (and SGLang)")
                 engine_id = len(engines)
                 engines[engine_id] = engine
-                out: Any = (engine_id, _advertised(engine.url, str(options.get("host", "127.0.0.1"))))
+                out: Any = (engine_id, _advertised(engine.url, options.host))
             elif op in ("stop", "kill"):
                 getattr(engines.pop(int(args[0])), op)()
                 out = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from gyre_core.hookspecs import hookimpl
+from gyre_core.interfaces import EngineOptions, MooncakeOptions, ServingOptions
 
 from gyre_sglang import __version__
 from gyre_sglang.client import SUPPORTED_SGLANG
@@ -23,56 +24,45 @@ def gyre_plugin_info() -> dict[str, Any]:
 
 
 @hookimpl
-def gyre_make_serving_side(engine: int, options: Mapping[str, Any]) -> Any:
-    """Options: ``url`` of the engine's SGLang server (required; ``None`` without it, so another
-    backend may answer), ``on_phase`` callback, ``weight_loader``, ``memory_tags``,
-    ``drain_timeout``, ``api_key``, ``version_wait_s`` and ``load_attempts`` (``[publication]``)."""
-    url = options.get("url")
-    if not url:
+def gyre_make_serving_side(engine: int, options: ServingOptions) -> Any:
+    """The side that drives the engine at ``options.url`` (``None`` without a URL, so another
+    backend may answer)."""
+    if not options.url:
         return None
     from gyre_sglang.serving_side import SGLangServingSide
 
-    kwargs = {k: options[k] for k in ("on_phase", "weight_loader", "memory_tags", "drain_timeout", "clock",
-                                      "api_key", "version_wait_s", "load_attempts") if k in options}
-    return SGLangServingSide(str(url), cell=engine, **kwargs)
+    return SGLangServingSide(options.url, cell=engine, api_key=options.api_key, version_wait_s=options.version_wait_s,
+                             load_attempts=options.load_attempts)
 
 
-def _mooncake_env(endpoint: Mapping[str, Any] | None) -> dict[str, str]:
+def _mooncake_env(endpoint: MooncakeOptions | None) -> dict[str, str]:
     """The engine's Mooncake endpoint (weight pulls, KV hand-off) as its environment: the host it
     advertises (this node's, never assumed), the protocol and the RDMA devices."""
-    if not endpoint:
+    if endpoint is None:
         return {}
     from gyre_core.transfer_endpoint import MooncakeEndpoint, advertised_host
 
-    host = str(endpoint.get("host") or advertised_host(endpoint.get("peer")))
-    return MooncakeEndpoint(host, str(endpoint.get("protocol") or "tcp"), str(endpoint.get("device") or "")).env()
+    host = endpoint.host or advertised_host(endpoint.peer)
+    return MooncakeEndpoint(host, endpoint.protocol, endpoint.device).env()
 
 
 @hookimpl
-def gyre_start_engine(model_dir: str, options: Mapping[str, Any]) -> Any:
+def gyre_start_engine(model_dir: str, options: EngineOptions) -> Any:
     """Start a real SGLang server (CPU engine and Gyre's CPU patch where CUDA is absent)."""
     from gyre_sglang.server import SGLangServer
 
     server = SGLangServer(
-        model_dir,
-        host=str(options.get("host", "127.0.0.1")),
-        max_total_tokens=int(options.get("max_total_tokens", 16384)),
-        extra_args=list(options.get("extra_args", [])),
-        log_path=options.get("log_path"),
-        api_key=options.get("api_key"),
-        env=_mooncake_env(options.get("mooncake")),
-        base_gpu_id=None if options.get("base_gpu_id") is None else int(options["base_gpu_id"]),
-        tp_size=int(options.get("tp_size", 1)),
-        memory_saver=bool(options.get("memory_saver", False)),
-    )
-    return server.start(timeout=float(options.get("start_timeout_s", 300.0)))
+        model_dir, host=options.host, max_total_tokens=options.max_total_tokens, extra_args=list(options.extra_args),
+        log_path=options.log_path, api_key=options.api_key, env=_mooncake_env(options.mooncake),
+        base_gpu_id=options.base_gpu_id, tp_size=options.tp_size, memory_saver=options.memory_saver)
+    return server.start(timeout=options.start_timeout_s)
 
 
 @hookimpl
-def gyre_make_engine_client(url: str, options: Mapping[str, Any]) -> Any:
+def gyre_make_engine_client(url: str, options: ServingOptions) -> Any:
     from gyre_sglang.client import SGLangClient
 
-    return SGLangClient(url, **{k: options[k] for k in ("timeout", "generate_timeout", "api_key") if k in options})
+    return SGLangClient(url, api_key=options.api_key)
 
 
 @hookimpl

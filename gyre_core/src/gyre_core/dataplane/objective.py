@@ -42,6 +42,8 @@ from typing import Sequence
 
 import torch
 
+from gyre_core.interfaces import GSPOConfig  # the settings are an option across the plugin seam
+
 __all__ = [
     "GSPOConfig",
     "TokenBatch",
@@ -51,23 +53,6 @@ __all__ = [
     "microstep_objective",
     "target_logprobs",
 ]
-
-
-@dataclass(frozen=True)
-class GSPOConfig:
-    """The paper's settings by default: token weights capped at 5, clipping ``[0.995, 1.005]``."""
-
-    token_weight_cap: float = 5.0
-    clip_low: float = 0.005
-    """ε_low: the lower clipping bound is ``1 − clip_low``."""
-    clip_high: float = 0.005
-    """ε_high: the upper clipping bound is ``1 + clip_high``."""
-
-    def __post_init__(self) -> None:
-        if not self.token_weight_cap > 0:
-            raise ValueError(f"token_weight_cap must be > 0, got {self.token_weight_cap}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 
 
 @dataclass(frozen=True)

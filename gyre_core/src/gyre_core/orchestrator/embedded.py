@@ -23,16 +23,16 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from gyre_core.dataplane.objective import GSPOConfig
-from gyre_core.interfaces import EngineProcess, TrainingSide, WeightsRef
+from gyre_core.interfaces import EngineOptions, EngineProcess, ServingOptions, TrainingSide, WeightsRef
 from gyre_core.metrics.observers import close_observers, open_observers
 from gyre_core.config import ConfigError
 from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.failure import RunError, cause_lines, write_error_log
 from gyre_core.orchestrator.hf_folders import TOKENIZER_FILES
 from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, StandaloneHandles
+from gyre_core.orchestrator.plugin_options import engine_options, serving_options, training_options
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.status_line import StatusLine
@@ -276,39 +276,10 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     if len(tokenizer) % cfg.training.tp:
         raise ConfigError(f"training.tp: the tokenizer has {len(tokenizer)} tokens, not a multiple of "
                           f"training.tp {cfg.training.tp} (Megatron splits the vocabulary evenly)")
-    train_opts = {"cells": k, "pp": cfg.training.pp, "tp": cfg.training.tp, "ep": cfg.training.ep,
-                  "precision": cfg.training.precision,
-                  "model": spec, "lr": cfg.training.lr,
-                  "clip_grad": cfg.training.clip_grad, "burst_steps": cfg.scheduler.steps_per_burst,
-                  # one micro-step queue per step, plus the re-streams of steps that lost a cell
-                  "max_steps": cfg.run.steps + 8, "publish_dir": str(out / "weights"),
-                  "log_dir": str(out.resolve()),  # rank<N>.log, beside the engines' logs
-                  "step_timeout_s": cfg.training.step_timeout_s, "data_timeout_s": cfg.training.collective_timeout_s,
-                  # the GSPO objective's W_t already normalise per execution: no division by tokens
-                  "normalise_by_tokens": False,
-                  "objective": GSPOConfig(token_weight_cap=cfg.training.importance_cap,
-                                          clip_low=cfg.training.clip_low, clip_high=cfg.training.clip_high)}
-    # every Mooncake engine of the run (satellite joins, engine pulls) speaks one protocol; each
-    # advertises its own node's address, found toward the control host on a cluster
-    peer = cfg.cluster.control_host if cfg.cluster.launcher != "local" else ""
-    mooncake = {"protocol": cfg.publication.protocol, "device": cfg.publication.device, "peer": peer}
-    train_opts["mooncake"] = mooncake
-    train_opts["publication"] = cfg.publication.transport  # the core's stages publish their own parts
     if cfg.publication.host:
         say("publication.host is no longer used: the core's ranks publish from their own nodes, each "
             "advertising its own address (GYRE_MOONCAKE_HOST on a node overrides it)")
-    if cfg.model.dir:  # the user's checkpoint: the trainer reads every size from its config.json
-        train_opts["init_from"] = str(Path(cfg.model.dir).resolve())
-    if cfg.cluster.launcher == "ray":
-        train_opts.update({"launcher": "ray", "ray_address": cfg.cluster.ray_address,
-                           "ray_gpus_per_rank": cfg.cluster.ray_gpus_per_rank,
-                           "ray_resources_per_rank": dict(cfg.cluster.ray_resources_per_rank),
-                           "join_timeout_s": cfg.cluster.join_timeout_s, "announce": say})
-    elif cfg.cluster.launcher != "local":
-        train_opts.update({"launcher": cfg.cluster.launcher, "control_host": cfg.cluster.control_host,
-                           "control_port": cfg.cluster.control_port,
-                           "key_file": cfg.cluster.key_file or str(out / "control.key"),
-                           "join_timeout_s": cfg.cluster.join_timeout_s, "announce": say})
+    train_opts = training_options(cfg, out, spec, announce=say)
     training = [await asyncio.to_thread(pm.hook.gyre_make_training_side, cell=i, options=train_opts) for i in range(k)]
     if any(t is None for t in training):
         raise RuntimeError("no training backend: install gyre-megatron (and megatron-core)")
@@ -330,33 +301,27 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
     import secrets
 
     engine_key = secrets.token_urlsafe(24)  # per run: every engine route but health needs it
-    opts = {"max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
-            "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key, "mooncake": mooncake}
-
     n = cfg.training.tp * cfg.training.pp  # GPUs per cell; its engine spans them (SGLang tensor parallelism)
+    # each engine's options, kept: a restarted engine starts again with its own (GPUs, memory saver)
+    engine_opts = {i: engine_options(cfg, engine_key, out / f"engine{i}.log", base_gpu_id=i * n, tp_size=n,
+                                     memory_saver=True) for i in range(k)}
     started = await asyncio.gather(*(asyncio.to_thread(_start_engine, pm, cfg, training[i], model_dir,
-                                                       {**opts, "log_path": str(out / f"engine{i}.log"),
-                                                        "base_gpu_id": i * n, "tp_size": n,
-                                                        "memory_saver": True}, engines)
-                                     for i in range(k)))
+                                                       engine_opts[i], engines) for i in range(k)))
     standalone_engine = None
     if cfg.scheduler.standalone_capacity > 0:  # the pool: an engine of its own on this node, never switched
-        standalone_engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model_dir,
-                                                    {**opts, "log_path": str(out / "engine-standalone.log"),
-                                                     "base_gpu_id": k * n, "tp_size": 1}, engines)
+        engine_opts[-1] = engine_options(cfg, engine_key, out / "engine-standalone.log", base_gpu_id=k * n, tp_size=1)
+        standalone_engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model_dir, engine_opts[-1], engines)
     say(f"engines ready after {time.monotonic() - t0:.0f} s")
     for line in placement_plan(training, started, standalone_engine):
         say(line)
 
     service = make_proxy_service(cfg, tokenizer, pm)
-    # what every serving side (and a restarted engine's) needs: the key, and how loads are checked
-    serving_opts = {"api_key": engine_key, "version_wait_s": cfg.publication.version_wait_s,
-                    "load_attempts": cfg.publication.load_attempts}
     cells = []
     for i, e in enumerate(started):
-        service.add_engine(pm.hook.gyre_make_engine_client(url=e.url, options={"api_key": engine_key}),
+        serving_opts = serving_options(cfg, e.url, engine_key)
+        service.add_engine(pm.hook.gyre_make_engine_client(url=e.url, options=serving_opts),
                            kind="cell", cell_index=i, capacity=cfg.scheduler.cell_capacity)
-        serving = pm.hook.gyre_make_serving_side(engine=i, options={**serving_opts, "url": e.url})
+        serving = pm.hook.gyre_make_serving_side(engine=i, options=serving_opts)
         cells.append(CellHandles(i, serving, training[i], e.url))
     # before any execution: an engine that could not switch roles as configured stops the run here
     problems = [p for c in cells for p in await c.serving.arole_switch_problems(kv_handoff=cfg.proxy.kv_handoff)]
@@ -364,10 +329,11 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
         raise ConfigError("\n".join(problems))
     standalone = None
     if standalone_engine is not None:
-        service.add_engine(pm.hook.gyre_make_engine_client(url=standalone_engine.url, options={"api_key": engine_key}),
+        serving_opts = serving_options(cfg, standalone_engine.url, engine_key)
+        service.add_engine(pm.hook.gyre_make_engine_client(url=standalone_engine.url, options=serving_opts),
                            kind="standalone", capacity=cfg.scheduler.standalone_capacity)
-        standalone = StandaloneHandles(pm.hook.gyre_make_serving_side(
-            engine=-1, options={**serving_opts, "url": standalone_engine.url}), standalone_engine.url)
+        standalone = StandaloneHandles(pm.hook.gyre_make_serving_side(engine=-1, options=serving_opts),
+                                       standalone_engine.url)
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"
@@ -382,7 +348,8 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                                     weights=WeightsRef(start_weights.version, str(model_dir)), progress=say,
                                     event_log=event_log, journal=journal, replay=replay, sandbox=sandbox,
                                     standalone=standalone, status=status)
-            orch.watchdog = _engine_watchdog(pm, opts, serving_opts, out, model_dir, engines, started,
+            orch.watchdog = _engine_watchdog(pm, engine_opts, serving_options(cfg, "", engine_key), out, model_dir,
+                                             engines, started,
                                              start_weights.version, say, cfg, training, standalone_engine).attach(orch)
             orch._spawn(orch.watchdog.run(), "engine watchdog")
             if on_started is not None:
@@ -457,7 +424,7 @@ def placement_plan(training: Sequence[TrainingSide], engines: Sequence[EnginePro
     return lines
 
 
-def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, options: dict[str, Any],
+def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, options: EngineOptions,
                   engines: list[Any]) -> Any:
     """Start one cell's SGLang server where the cell runs: here, or (cluster launchers) on the
     cell's node by its first rank; ``training=None``: the standalone pool's engine, always here.
@@ -467,17 +434,17 @@ def _start_engine(pm: Any, cfg: RunConfig, training: Any, model_dir: Path, optio
         if e is None:
             raise RuntimeError("no serving backend: install gyre-sglang (and SGLang)")
     else:
-        e = training.start_engine(str(model_dir), {**options, "host": cfg.cluster.engine_host})
+        e = training.start_engine(str(model_dir), dataclasses.replace(options, host=cfg.cluster.engine_host))
     engines.append(e)
     return e
 
 
-def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any], out: Path, model_dir: Path,
-                     engines: list[Any],
+def _engine_watchdog(pm: Any, engine_opts: Mapping[int, EngineOptions], serving_opts: ServingOptions, out: Path,
+                     model_dir: Path, engines: list[Any],
                      started: Sequence[Any], version: int, say: Callable[[str], None],
                      cfg: RunConfig, training: Sequence[Any], standalone: Any = None) -> EngineWatchdog:
     """The run's engine watchdog: a dead engine (a cell's, or ``-1``: the standalone pool's) is
-    killed for good and started again with the same options on ``model_dir`` (policy
+    killed for good and started again with its own options on ``model_dir`` (policy
     ``version``); the watchdog brings it up to date."""
     current = dict(enumerate(started))
     if standalone is not None:
@@ -492,7 +459,7 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any]
 
         # registered in the worker thread: a run ending meanwhile still stops it
         e = await asyncio.to_thread(_start_engine, pm, cfg, None if cell < 0 else training[cell], model_dir,
-                                    {**opts, "log_path": str(log_path)}, engines)
+                                    dataclasses.replace(engine_opts[cell], log_path=str(log_path)), engines)
         current[cell] = e
         return e
 
@@ -500,7 +467,7 @@ def _engine_watchdog(pm: Any, opts: dict[str, Any], serving_opts: dict[str, Any]
         return current[cell].alive()
 
     return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say,
-                          engine_options=serving_opts, **dataclasses.asdict(cfg.watchdog))
+                          serving_options=serving_opts, **dataclasses.asdict(cfg.watchdog))
 
 
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:

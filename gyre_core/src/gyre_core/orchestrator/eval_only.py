@@ -28,6 +28,7 @@ from gyre_core.orchestrator.embedded import (
     sandbox_gate,
 )
 from gyre_core.orchestrator.evaluation import EvalPlan, HeldOutEvaluation
+from gyre_core.orchestrator.plugin_options import engine_options, serving_options
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import ConfigError, RunConfig
 
@@ -71,13 +72,12 @@ async def _evaluate(cfg: RunConfig, model: Path, out: Path, pm: Any, engines: li
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     engine_key = secrets.token_urlsafe(24)
     say(f"starting an SGLang engine on {model}")
-    engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model, {
-        "max_total_tokens": cfg.serving.max_total_tokens, "extra_args": cfg.serving.extra_args,
-        "start_timeout_s": cfg.serving.start_timeout_s, "api_key": engine_key, "log_path": str(out / "engine.log"),
-        "base_gpu_id": 0, "tp_size": cfg.training.tp * cfg.training.pp}, engines)
+    engine = await asyncio.to_thread(_start_engine, pm, cfg, None, model, engine_options(
+        cfg, engine_key, out / "engine.log", base_gpu_id=0, tp_size=cfg.training.tp * cfg.training.pp,
+        mooncake=False), engines)
     service = make_proxy_service(cfg, tokenizer, pm)
     service.policy_version = 0  # the one version this engine serves: every sample is served by it
-    service.add_engine(pm.hook.gyre_make_engine_client(url=engine.url, options={"api_key": engine_key}),
+    service.add_engine(pm.hook.gyre_make_engine_client(url=engine.url, options=serving_options(cfg, engine.url, engine_key)),
                        kind="standalone", capacity=cfg.eval.max_concurrent)
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)

@@ -34,12 +34,13 @@ watch restarts it exactly as above, so one engine's slow or refused load never e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
-from gyre_core.interfaces import EngineError
+from gyre_core.interfaces import EngineError, ServingOptions
 
 __all__ = ["EngineRestart", "EngineWatchdog", "WatchdogGaveUp"]
 
@@ -85,7 +86,7 @@ class EngineWatchdog:
         max_restarts: int = 2,
         initial_version: int = 0,
         progress: Callable[[str], None] | None = None,
-        engine_options: Mapping[str, Any] | None = None,
+        serving_options: ServingOptions | None = None,
     ) -> None:
         if failures < 1 or interval_s <= 0 or health_every_s <= 0 or health_timeout_s <= 0:
             raise ValueError("watchdog: failures ≥ 1 and positive intervals/timeouts are required")
@@ -98,8 +99,8 @@ class EngineWatchdog:
         self.max_restarts = max_restarts
         self.initial_version = initial_version
         self.progress = progress or (lambda msg: None)
-        self.engine_options = dict(engine_options or {})
-        """What a restarted engine's client and serving side need (the run's engine key)."""
+        self.serving_options = serving_options or ServingOptions(url="")
+        """What a restarted engine's client and serving side need (the run's engine key), at its new URL."""
         self.restarts: list[EngineRestart] = []
         self.orch: Any = None
         self._ready: dict[int, asyncio.Event] = {}
@@ -233,8 +234,9 @@ class EngineWatchdog:
             raise WatchdogGaveUp(f"engine of {name} could not be restarted: {type(e).__name__}: {e}") from e
         new_url = str(engine.url)
         old_slot = orch.proxy.router.slot(old_url)
-        client = orch.pm.hook.gyre_make_engine_client(url=new_url, options=dict(self.engine_options))
-        serving = orch.pm.hook.gyre_make_serving_side(engine=cell, options={**self.engine_options, "url": new_url})
+        options = dataclasses.replace(self.serving_options, url=new_url)
+        client = orch.pm.hook.gyre_make_engine_client(url=new_url, options=options)
+        serving = orch.pm.hook.gyre_make_serving_side(engine=cell, options=options)
         if client is None or serving is None:
             raise WatchdogGaveUp(f"no plugin makes an engine client / serving side for {new_url}")
         # Bring it to the version the other engines serve; a publication meanwhile skips this cell
