@@ -215,7 +215,7 @@ def run_live(
     say = progress or status.log  # type: ignore[union-attr]
     pm = _plugin_manager(plugins)
     if pm.hook.gyre_task_instance(task=cfg.task.name, group_id=0, seed=cfg.run.seed,
-                                  options=dataclasses.asdict(cfg.task)) is None:
+                                  options=cfg.task.model_dump()) is None:
         raise ConfigError(f"task.name: no installed plugin provides task {cfg.task.name!r}")
     check_preflight(cfg, pm)  # before any process starts: every part loadable, or one line each
     out = Path(cfg.run.out_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -467,7 +467,7 @@ def _engine_watchdog(pm: Any, engine_opts: Mapping[int, EngineOptions], serving_
         return current[cell].alive()
 
     return EngineWatchdog(restart, alive=alive, initial_version=version, progress=say,
-                          serving_options=serving_opts, **dataclasses.asdict(cfg.watchdog))
+                          serving_options=serving_opts, **cfg.watchdog.model_dump())
 
 
 def _write_outputs(out: Path, orch: LiveOrchestrator, summary: dict[str, Any], cfg: RunConfig) -> None:

@@ -31,7 +31,7 @@ import json
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -128,7 +128,7 @@ class HeldOutEvaluation:
         its tasks drawn through the plugin hooks: every record of the eval file once, in order."""
         from gyre_core.tasks.file_tasks import load_records
 
-        options = {**asdict(cfg.task), "train": cfg.task.eval}  # the eval file, drawn like a train file
+        options = {**cfg.task.model_dump(), "train": cfg.task.eval}  # the eval file, drawn like a train file
         instances = [pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed, options=options)
                      for g in range(len(load_records(cfg.task.eval)))]
         instances.sort(key=lambda inst: getattr(inst, "index", 0))

@@ -163,7 +163,7 @@ class LiveExecutions:
         self.buffer.dispatch(cmd)
         if cmd.refill_of is None:
             inst = self.pm.hook.gyre_task_instance(task=self.cfg.task.name, group_id=cmd.group_id,
-                                                   seed=self.cfg.run.seed, options=asdict(self.cfg.task))
+                                                   seed=self.cfg.run.seed, options=self.cfg.task.model_dump())
             if inst is None:
                 raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
             self.groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}

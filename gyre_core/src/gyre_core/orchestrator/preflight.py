@@ -9,7 +9,6 @@ plugin checks its own dependencies through the ``gyre_preflight`` hook.
 
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import os
@@ -62,7 +61,7 @@ def _core_problems(cfg: RunConfig, pm: Any) -> list[str]:
         problems.append(f"harness.command: {h.command[0]!r} is not an executable on PATH")
     from gyre_core.tasks.file_tasks import file_task_problems
 
-    problems += file_task_problems(dataclasses.asdict(cfg.task))
+    problems += file_task_problems(cfg.task.model_dump())
     from gyre_core.orchestrator.sandbox import sandbox_problem
 
     if (why := sandbox_problem(h.sandbox)) is not None:

@@ -5,7 +5,10 @@ Every knob of the scheduler (``[scheduler]``, the fields of
 harness and the proxy lives here; command-line flags override the file (``--set
 section.key=value`` for any of them). Unknown sections or keys, wrong types and out-of-range values
 are :class:`~gyre_core.config.ConfigError` naming ``section.key`` -- a typo must not silently run
-a multi-hour job with a default.
+a multi-hour job with a default. Each table is a pydantic model whose fields carry their type,
+default and range; :meth:`RunConfig.validate` holds only the checks that span settings. The
+plugins get what they need from here as typed options
+(:mod:`gyre_core.orchestrator.plugin_options`).
 
 Defaults describe the *embedded* job: a tiny model built locally, a core and one satellite on
 one CPU machine, the built-in ``number-guess`` task, three training steps.
@@ -15,36 +18,45 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping, Sequence, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gyre_core.config import ConfigError, SchedulerConfig
 
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
-HARNESSES = ("number-guess", "reply", "replay", "command", "claude-code")
-LAUNCHERS = ("local", "torchrun", "ray")
+HarnessKind = Literal["number-guess", "reply", "replay", "command", "claude-code"]
+HARNESSES: tuple[str, ...] = get_args(HarnessKind)
 
 
-@dataclass
-class RunSection:
-    steps: int = 3
+class _Section(BaseModel):
+    """One table of the file. Each setting is declared once, with its type, its default and its
+    range beside it; a wrong type is refused, not converted (``true`` is no number, ``"3"`` no
+    integer), and so are unknown keys: a typo must not silently run a multi-hour job with a
+    default. Settings that depend on each other are checked by :meth:`RunConfig.validate`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+
+class RunSection(_Section):
+    steps: int = Field(3, ge=1)
     """Training steps to run (policy versions produced)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     out_dir: str = ""
     """Where the run writes its journal and outputs; empty: a new runs/run-<time>/ folder."""
     resume: bool = False
     """Continue the run journalled in ``out_dir`` instead of starting a new one."""
-    max_wall_s: float = 1800.0
+    max_wall_s: float = Field(1800.0, gt=0)
     """Give up (cleanly, with a summary) after this long."""
 
 
-@dataclass
-class ModelSection:
+class ModelSection(_Section):
     dir: str = ""
     """A Hugging Face model directory (Qwen2, Qwen3, Llama or Qwen3-MoE; safetensors) whose weights the
     trainer and the engines start from, every size read from its ``config.json`` (the sizes below
@@ -59,75 +71,72 @@ class ModelSection:
     max_seq_len: int = 2048
 
 
-@dataclass
-class TaskSection:
+class TaskSection(_Section):
     name: str = "number-guess"
     """A built-in task (``number-guess``, ``sum-file``, ``digits``), one a plugin provides, or
     ``file`` (the default when ``train`` is set): the user's own tasks from a file."""
-    turns: int = 3
+    turns: int = Field(3, ge=1)
     train: str = ""
     """Task file (JSON lines, or a JSON list of records); see :mod:`gyre_core.tasks.file_tasks`."""
     prompt_template: str = ""
     """Formats each record's fields into its prompt (empty: the record's ``prompt``)."""
     reward: str = ""
     """``path/to/file.py:function`` scoring a record's workspace (or use ``evaluator``)."""
-    evaluator: list[str] = field(default_factory=list)
+    evaluator: list[str] = Field(default_factory=list)
     """A command run in the workspace, in the sandbox: exit 0/1, or a last line ``{"reward": x}``."""
     eval: str = ""
     """Held-out task file (same format as ``train``), run by ``[eval]`` and never trained on."""
-    setup: list[str] = field(default_factory=list)
+    setup: list[str] = Field(default_factory=list)
     """A command run in each workspace, in the sandbox, after the task's files are in and before
     the harness starts (install the repository, build it); if it fails the execution is excluded."""
-    setup_timeout_s: float = 300.0
+    setup_timeout_s: float = Field(300.0, gt=0)
 
 
-@dataclass
-class EvalSection:
+class EvalSection(_Section):
     """Held-out evaluation during the run (:mod:`gyre_core.orchestrator.evaluation`)."""
 
-    interval: int = 0
+    interval: int = Field(0, ge=0)
     """Evaluate the policy after every ``interval`` steps (0: never during the run); the run's
     last version is evaluated whenever ``task.eval`` is set."""
     before_train: bool = False
     """Also evaluate the starting policy (version 0)."""
-    samples: int = 1
+    samples: int = Field(1, ge=1)
     """Executions per eval task (the pass rate is pass@samples)."""
-    max_concurrent: int = 4
+    max_concurrent: int = Field(4, ge=1)
     """Evaluation executions running at once: their load on the rollout engines is bounded by it."""
     pass_threshold: float = 1.0
     """A sample passes when its reward is at least this."""
 
 
-@dataclass
-class HarnessSection:
-    kind: str = "number-guess"
-    command: list[str] = field(default_factory=list)
+class HarnessSection(_Section):
+    kind: HarnessKind = "number-guess"
+    command: list[str] = Field(default_factory=list)
     timeout_s: float = 180.0
     """Harness timeout: past it the harness is killed and its workspace assessed and used."""
-    overall_budget_s: float = 420.0
+    overall_budget_s: float = Field(420.0, gt=0)
     """Overall budget of an execution incl. evaluation retries: past it it is discarded."""
-    evaluator_timeout_s: float = 0.0
+    evaluator_timeout_s: float = Field(0.0, ge=0)
     """Bound on one evaluator attempt (a hung one is unresolved and retried within the budget);
     0: a quarter of ``overall_budget_s``, between 1 and 60 s (:attr:`evaluator_bound_s`)."""
-    sandbox: str = "bwrap"
+    sandbox: Literal["bwrap", "none"] = "bwrap"
     """``bwrap``: each harness in its own bubblewrap sandbox (own /proc, run folder hidden, network
     only to the proxy); ``none``: unsandboxed, explicitly."""
-    sandbox_expose: list[str] = field(default_factory=list)
+    sandbox_expose: list[str] = Field(default_factory=list)
     """Host paths a sandboxed harness may read besides the Python environment and the files its
     command names (e.g. a tool's folder under a home that the sandbox empties)."""
     claude_bin: str = "claude"
     """The Claude Code executable (``harness.kind = "claude-code"``)."""
-    args: list[str] = field(default_factory=list)
+    args: list[str] = Field(default_factory=list)
     """Extra arguments for the Claude Code CLI (e.g. ``--tools``, ``--system-prompt``, ``--max-turns``)."""
     trace: str = ""
     """``replay``: the JSON-lines trace (the simulator's format) whose executions are replayed;
     empty: one synthesised from the paper preset."""
-    time_scale: float = 0.002
+    time_scale: float = Field(0.002, gt=0)
     """``replay``: seconds of replay per recorded second (0.002: a 2 h execution in 14.4 s). Set
     ``timeout_s`` to the recording's harness timeout times this, so timeouts land where they did."""
-    replay_calls: int = 3
+    replay_calls: int = Field(3, ge=1)
     """``replay``: model calls per execution, the context growing with each."""
-    token_scale: float = 0.0
+    token_scale: float = Field(0.0, ge=0)
     """``replay``: context tokens per recorded token (the trace's ``tokens``): the tool results
     grow each replay's context to that many tokens, capped to fit ``dataplane.token_budget``, so a
     step trains on contexts in proportion to the recording's. 0: one-line tool results."""
@@ -143,73 +152,69 @@ class HarnessSection:
         """What one evaluator attempt may take (``evaluator_timeout_s``, or its default)."""
         return self.evaluator_timeout_s or max(1.0, min(60.0, self.overall_budget_s / 4))
 
-@dataclass
-class DataPlaneSection:
-    j_max: int = 2
+class DataPlaneSection(_Section):
+    j_max: int = Field(2, ge=1)
     """Trajectories selected per execution."""
-    token_budget: int = 2048
+    token_budget: int = Field(2048, ge=64)
     """Tokens per micro-step per data-parallel rank."""
     whole_executions: bool = True
     """Pack all rows of an execution together (exact execution ratios; see PackingConfig)."""
 
 
-@dataclass
-class TrainingSection:
-    lr: float = 1e-4
-    pp: int = 1
-    tp: int = 1
+class TrainingSection(_Section):
+    lr: float = Field(1e-4, gt=0)
+    pp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
     """Tensor-parallel width of each pipeline stage: a cell holds ``tp × pp`` ranks (GPUs)."""
     ep: int = 1
     """Expert-parallel width for a mixture-of-experts ``model.dir``, on the tensor-parallel ranks:
     1 (every expert split over the ``tp`` ranks) or ``tp`` (each rank holds ``1/tp`` of the
     experts whole)."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """``fp32``, or ``bf16`` parameters and activations with a float32 optimizer (needs CUDA)."""
-    clip_grad: float = 1.0
-    step_timeout_s: float = 600.0
-    collective_timeout_s: float = 60.0
+    clip_grad: float = Field(1.0, ge=0)
+    """0: no clipping."""
+    step_timeout_s: float = Field(600.0, gt=0)
+    collective_timeout_s: float = Field(60.0, gt=0)
     """How long a gradient collective waits for a peer: a satellite that died mid-step is given
     up on within about this, and the step finishes on the cells that survived."""
-    importance_cap: float = 5.0
+    importance_cap: float = Field(5.0, gt=0)
     """GSPO: each token's importance weight π/π_behaviour is capped here."""
-    clip_low: float = 0.005
+    clip_low: float = Field(0.005, ge=0, lt=1)
     """GSPO: an execution whose ratio falls below 1 − clip_low with a negative advantage is clipped."""
-    clip_high: float = 0.005
+    clip_high: float = Field(0.005, ge=0)
     """GSPO: an execution whose ratio rises above 1 + clip_high with a positive advantage is clipped."""
 
 
-@dataclass
-class ServingSection:
-    max_total_tokens: int = 16384
-    extra_args: list[str] = field(default_factory=list)
+class ServingSection(_Section):
+    max_total_tokens: int = Field(16384, ge=1024)
+    extra_args: list[str] = Field(default_factory=list)
     """Passed to every SGLang server unchanged."""
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = Field(300.0, gt=0)
 
 
-@dataclass
-class ProxySection:
+class ProxySection(_Section):
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = Field(0, ge=0, lt=65536)
+    """0: any free port."""
     kv_handoff: bool = True
     """On a role change, hand each running call's KV cache to its execution's new engine and
     continue the call there (false: the new engine re-prefills the call's context)."""
 
 
-@dataclass
-class MetricsSection:
+class MetricsSection(_Section):
     """Where each step's figures go (the ``gyre_on_metrics`` observers that are built in)."""
 
-    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    backends: list[str] = Field(default_factory=lambda: ["tensorboard"])
     """Any of ``tensorboard`` (event files under ``dir``) and ``wandb`` (needs ``pip install wandb``); [] for none."""
     dir: str = ""
     """Empty: ``<out_dir>/metrics``."""
     wandb_project: str = "gyre"
-    wandb_mode: str = "offline"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """``offline`` (a run folder to ``wandb sync`` later), ``online`` or ``disabled``."""
 
 
-@dataclass
-class ClusterSection:
+class ClusterSection(_Section):
     """Where the cells' ranks and engines run.
 
     ``local``: this process spawns every rank and engine on this machine. ``torchrun``: the
@@ -219,29 +224,28 @@ class ClusterSection:
     this process connects to a Ray cluster (``ray_address``), reserves one placement group per
     cell and starts its ranks and its SGLang server there as actors."""
 
-    launcher: str = "local"
+    launcher: Literal["local", "torchrun", "ray"] = "local"
     control_host: str = "127.0.0.1"
     """Address the control plane binds (a head-node address the other nodes reach, for torchrun)."""
-    control_port: int = 0
+    control_port: int = Field(0, ge=0, lt=65536)
     """0: any free port (printed); fix it when the nodes are launched by a script."""
     key_file: str = ""
     """The control plane's per-run key; empty: ``<out_dir>/control.key`` (0600), created if absent."""
     engine_host: str = "127.0.0.1"
     """Address each cell's SGLang server binds on its node (``0.0.0.0`` across nodes)."""
-    join_timeout_s: float = 600.0
+    join_timeout_s: float = Field(600.0, gt=0)
     """How long to wait for every rank to join before giving up."""
     ray_address: str = ""
     """``ray`` launcher: the cluster to join (``ray://head:10001``, ``head:6379`` or ``auto``); empty:
     a Ray of this machine's own, started for the run."""
-    ray_gpus_per_rank: float = 0.0
+    ray_gpus_per_rank: float = Field(0.0, ge=0)
     """``ray`` launcher: GPUs in each rank's bundle (1 on a GPU cluster)."""
-    ray_resources_per_rank: dict[str, float] = field(default_factory=dict)
+    ray_resources_per_rank: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     """``ray`` launcher: custom Ray resources in each rank's bundle (e.g. to keep cells on
     labelled nodes)."""
 
 
-@dataclass
-class PublicationSection:
+class PublicationSection(_Section):
     """How each published policy version reaches the engines, and how Mooncake peers find each other.
 
     ``mooncake`` (default): the orchestrator copies the core's weights into one registered buffer
@@ -251,8 +255,8 @@ class PublicationSection:
     files (every node must see that folder). ``protocol`` and ``device`` apply to every Mooncake
     engine of the run: publication, satellite joins and KV hand-off."""
 
-    transport: str = "mooncake"
-    protocol: str = "tcp"
+    transport: Literal["mooncake", "disk"] = "mooncake"
+    protocol: Literal["tcp", "rdma"] = "tcp"
     """``tcp``, or ``rdma`` on a cluster with RDMA NICs (then name them in ``device``)."""
     device: str = ""
     """RDMA devices for Mooncake (e.g. ``mlx5_0,mlx5_1``); empty for TCP."""
@@ -260,54 +264,51 @@ class PublicationSection:
     """Address the engines reach the orchestrator's publication at; empty: ``cluster.control_host``
     (every other node already reaches it). Ranks and engines advertise their own node's address
     (``GYRE_MOONCAKE_HOST`` on a node overrides what it would pick)."""
-    version_wait_s: float = 30.0
+    version_wait_s: float = Field(30.0, ge=0)
     """How long a load waits for the engine to report the version it loaded: a busy engine's
     ``/model_info`` may learn the new version well after the load's answer."""
-    load_attempts: int = 2
+    load_attempts: int = Field(2, ge=1)
     """Tries of one engine's load before it is called failed; a rollout engine that fails them is
     restarted by the watchdog on the current policy and the run goes on."""
 
 
-@dataclass
-class CheckpointSection:
+class CheckpointSection(_Section):
     """The core's training state (weights and optimizer) saved after each step, for ``--resume``,
     and the model folders a user keeps."""
 
-    keep_last: int = 2
+    keep_last: int = Field(2, ge=0)
     """How many of the newest kept step checkpoints to keep (0: all). The newest (``--resume``
     continues from it) and the one a resume needs to rebuild the last published policy are always
     kept too. A 7B model's state is ~100 GB a step."""
-    interval: int = 1
+    interval: int = Field(1, ge=1)
     """Which step checkpoints count for ``keep_last``: those after every ``interval`` steps. The
     state is still written after each step (a resume continues from the newest); the others go
     as soon as a newer one is written."""
-    hf_interval: int = 0
+    hf_interval: int = Field(0, ge=0)
     """Also write the policy after every ``hf_interval`` steps as a model folder ``hf/step<N>/``
     in the model's own dtype (0: only the final ``checkpoint/``, which is always written)."""
-    hf_keep_last: int = 0
+    hf_keep_last: int = Field(0, ge=0)
     """How many of the newest ``hf/step<N>/`` folders to keep (0: all)."""
 
 
-@dataclass
-class WatchdogSection:
+class WatchdogSection(_Section):
     """The engine watchdog (:class:`~gyre_core.orchestrator.watchdog.EngineWatchdog`)."""
 
-    interval_s: float = 0.5
+    interval_s: float = Field(0.5, gt=0)
     """How often each engine's process is checked."""
-    health_every_s: float = 5.0
+    health_every_s: float = Field(5.0, gt=0)
     """How often each serving engine answers a health check."""
-    health_timeout_s: float = 10.0
-    failures: int = 3
+    health_timeout_s: float = Field(10.0, gt=0)
+    failures: int = Field(3, ge=1)
     """Consecutive failed checks that mean an engine is dead (it is then restarted)."""
-    max_restarts: int = 2
+    max_restarts: int = Field(2, ge=0)
     """Restarts per cell; one more death fails the run (with its summary)."""
 
 
-@dataclass
-class SamplingSection:
+class SamplingSection(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 24
+    max_new_tokens: int = Field(24, ge=1)
 
 
 def _absolute_if_file(arg: str) -> str:
@@ -346,25 +347,22 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
 
     def validate(self) -> "RunConfig":
+        """The checks that span settings (each single setting's range is on its field)."""
         def need(cond: bool, where: str, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"{where}: {msg}")
 
-        need(self.run.steps >= 1, "run.steps", "must be ≥ 1")
-        need(self.run.max_wall_s > 0, "run.max_wall_s", "must be > 0")
         need(not self.run.resume or bool(self.run.out_dir), "run.out_dir",
              "--resume needs the output folder of the run to continue (--out)")
-        need(self.harness.kind in HARNESSES, "harness.kind", f"unknown harness {self.harness.kind!r} (expected one of {', '.join(HARNESSES)})")
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
         # a program or script named relative to where the run starts: harnesses and evaluator
         # commands run in their workspace, so such paths become absolute here
         self.harness.command = [_absolute_if_file(a) for a in self.harness.command]
         self.task.evaluator = [_absolute_if_file(a) for a in self.task.evaluator]
         self.task.setup = [_absolute_if_file(a) for a in self.task.setup]
-        need(self.task.setup_timeout_s > 0, "task.setup_timeout_s", "must be > 0")
         need(not self.task.setup or self.task.name == "file", "task.setup",
              f"a set-up command belongs to file tasks (task.train), not {self.task.name!r}")
-        if self.task.train and self.task.name == TaskSection.name:
+        if self.task.train and self.task.name == TaskSection.model_fields["name"].default:
             self.task.name = "file"  # a task file means the user's own tasks
         if self.task.name == "file":
             need(bool(self.task.train), "task.train", 'task.name = "file" needs a task file (task.train)')
@@ -373,29 +371,18 @@ class RunConfig:
         else:
             need(not self.task.train, "task.train", f"a task file needs task.name = \"file\", not {self.task.name!r}")
             need(not self.task.eval, "task.eval", f"an eval task file needs task.name = \"file\", not {self.task.name!r}")
-        need(self.eval.interval >= 0, "eval.interval", "must be ≥ 0 (0: only the last version)")
-        need(self.eval.samples >= 1, "eval.samples", "must be ≥ 1")
-        need(self.eval.max_concurrent >= 1, "eval.max_concurrent", "must be ≥ 1")
-        need(math.isfinite(self.eval.pass_threshold), "eval.pass_threshold", "must be a finite number")
         need(bool(self.task.eval) or not (self.eval.interval or self.eval.before_train), "task.eval",
              "[eval] needs held-out tasks: a task file in task.eval")
         need(not self.task.eval or self.harness.kind != "replay", "task.eval",
              "a replayed workload has no held-out tasks to run")
-        need(self.harness.sandbox in ("bwrap", "none"), "harness.sandbox", "must be \"bwrap\" or \"none\"")
-        need(self.harness.evaluator_timeout_s >= 0, "harness.evaluator_timeout_s", "must be ≥ 0 (0: automatic)")
-        need(0 < self.harness.timeout_s <= self.harness.overall_budget_s, "harness.timeout_s",
-             "must be > 0 and ≤ harness.overall_budget_s")
+        need(self.harness.timeout_s > 0 and self.harness.timeout_s <= self.harness.overall_budget_s,
+             "harness.timeout_s", "must be > 0 and ≤ harness.overall_budget_s")
         need(self.task.name == "number-guess" or self.harness.kind != "number-guess", "task.name",
              "the number-guess harness plays the number-guess task")
         need(self.harness.kind != "replay" or self.task.name == "digits", "task.name",
              "the replay harness leaves reply.txt, which the digits task scores: set task.name = \"digits\"")
-        need(self.harness.time_scale > 0 and math.isfinite(self.harness.time_scale), "harness.time_scale",
-             "must be a positive number")
-        need(self.harness.replay_calls >= 1, "harness.replay_calls", "must be ≥ 1")
         need(not self.harness.paced or self.harness.kind != "replay", "harness.paced",
              "the replay harness is paced by its trace already")
-        need(self.harness.token_scale >= 0 and math.isfinite(self.harness.token_scale), "harness.token_scale",
-             "must be a number ≥ 0")
         need(self.harness.token_scale == 0 or self.harness.replay_calls >= 2, "harness.token_scale",
              "needs harness.replay_calls ≥ 2 (the context grows through tool results between calls)")
         if (self.harness.kind == "replay" or self.harness.paced) and self.harness.trace:
@@ -405,28 +392,14 @@ class RunConfig:
                 load_trace(self.harness.trace)
             except (TraceError, OSError) as exc:
                 raise ConfigError(f"harness.trace: {exc}") from None
-        need(self.task.turns >= 1, "task.turns", "must be ≥ 1")
-        need(self.dataplane.j_max >= 1, "dataplane.j_max", "must be ≥ 1")
-        need(self.dataplane.token_budget >= 64, "dataplane.token_budget", "must be ≥ 64")
-        need(self.training.lr > 0 and math.isfinite(self.training.lr), "training.lr", "must be a positive number")
-        need(self.training.pp >= 1, "training.pp", "must be ≥ 1")
-        need(self.training.tp >= 1, "training.tp", "must be ≥ 1")
         need(self.training.ep in (1, self.training.tp), "training.ep",
              f"must be 1 or training.tp ({self.training.tp}): expert parallelism runs on the tensor-parallel ranks")
         need(self.training.ep == 1 or bool(self.model.dir), "training.ep",
              "needs a mixture-of-experts model.dir (the tiny model is dense)")
-        need(self.training.precision in ("fp32", "bf16"), "training.precision", "must be \"fp32\" or \"bf16\"")
-        need(self.training.clip_grad >= 0 and math.isfinite(self.training.clip_grad), "training.clip_grad",
-             "must be ≥ 0 (0: no clipping)")
-        need(self.training.step_timeout_s > 0, "training.step_timeout_s", "must be > 0")
-        need(self.training.collective_timeout_s > 0, "training.collective_timeout_s", "must be > 0")
-        need(self.run.seed >= 0, "run.seed", "must be ≥ 0")
-        need(self.harness.overall_budget_s > 0, "harness.overall_budget_s", "must be > 0")
-        need(self.serving.start_timeout_s > 0, "serving.start_timeout_s", "must be > 0")
-        need(0 < self.sampling.top_p <= 1, "sampling.top_p", "must lie in (0, 1]")
         need(bool(self.proxy.host.strip()), "proxy.host",
              "must not be empty (an empty host binds every interface; name 0.0.0.0 to mean that)")
         need(bool(self.cluster.engine_host.strip()), "cluster.engine_host", "must not be empty")
+        need(bool(self.cluster.control_host), "cluster.control_host", "must not be empty")
         need(self.scheduler.cells <= 4096, "scheduler.cells", "must be ≤ 4096")
         if self.model.dir:
             need(Path(self.model.dir).is_dir(), "model.dir",
@@ -443,14 +416,6 @@ class RunConfig:
             need(self.training.tp in (1, 2), "training.tp",
                  "must be 1 or 2 for the tiny model (2 KV groups split whole over the tensor-parallel ranks)")
             need(self.model.vocab_size >= 300, "model.vocab_size", "must be ≥ 300 (bytes and special tokens)")
-        need(self.training.importance_cap > 0 and math.isfinite(self.training.importance_cap),
-             "training.importance_cap", "must be a positive number")
-        need(0 <= self.training.clip_low < 1, "training.clip_low", "must lie in [0, 1)")
-        need(0 <= self.training.clip_high and math.isfinite(self.training.clip_high), "training.clip_high",
-             "must be ≥ 0")
-        need(self.serving.max_total_tokens >= 1024, "serving.max_total_tokens", "must be ≥ 1024")
-        need(0 <= self.proxy.port < 65536, "proxy.port", "must be a TCP port (0: any free one)")
-        need(self.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be ≥ 1")
         # The trainer takes its log-probs of softmax(logits / T) at each call's temperature, the
         # distribution SGLang samples from and reports. A truncated distribution (top_p < 1) is
         # not: SGLang reports log-probs before truncation. Refused, not ignored.
@@ -461,23 +426,6 @@ class RunConfig:
              "truncated distribution the tokens were sampled from")
         need(self.model.max_seq_len >= self.dataplane.token_budget, "model.max_seq_len",
              "must be ≥ dataplane.token_budget (a micro-step row must fit the model)")
-        need(self.scheduler.cells >= 1, "scheduler.cells", "must be ≥ 1")
-        need(self.cluster.launcher in LAUNCHERS, "cluster.launcher",
-             f"unknown launcher {self.cluster.launcher!r} (expected one of {', '.join(LAUNCHERS)})")
-        need(0 <= self.cluster.control_port < 65536, "cluster.control_port", "must be a TCP port (0: any free one)")
-        need(bool(self.cluster.control_host), "cluster.control_host", "must not be empty")
-        need(self.cluster.join_timeout_s > 0, "cluster.join_timeout_s", "must be > 0")
-        need(self.cluster.ray_gpus_per_rank >= 0, "cluster.ray_gpus_per_rank", "must be ≥ 0")
-        need(self.publication.transport in ("mooncake", "disk"), "publication.transport",
-             f"unknown transport {self.publication.transport!r} (expected \"mooncake\" or \"disk\")")
-        need(self.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be ≥ 0 (0: keep all)")
-        need(self.checkpoint.interval >= 1, "checkpoint.interval", "must be ≥ 1")
-        need(self.checkpoint.hf_interval >= 0, "checkpoint.hf_interval", "must be ≥ 0 (0: only the final checkpoint)")
-        need(self.checkpoint.hf_keep_last >= 0, "checkpoint.hf_keep_last", "must be ≥ 0 (0: keep all)")
-        need(self.publication.version_wait_s >= 0, "publication.version_wait_s", "must be ≥ 0")
-        need(self.publication.load_attempts >= 1, "publication.load_attempts", "must be ≥ 1")
-        need(self.publication.protocol in ("tcp", "rdma"), "publication.protocol",
-             f"unknown Mooncake protocol {self.publication.protocol!r} (expected \"tcp\" or \"rdma\")")
         need(self.publication.protocol != "rdma" or bool(self.publication.device.strip()), "publication.device",
              "name the RDMA devices for protocol \"rdma\" (e.g. \"mlx5_0\")")
         from gyre_core.metrics import BACKENDS
@@ -485,53 +433,47 @@ class RunConfig:
         for b in self.metrics.backends:
             need(b in BACKENDS, "metrics.backends", f"unknown backend {b!r} (expected any of {', '.join(BACKENDS)})")
         need(len(set(self.metrics.backends)) == len(self.metrics.backends), "metrics.backends", "names a backend twice")
-        need(self.metrics.wandb_mode in ("offline", "online", "disabled"), "metrics.wandb_mode",
-             f"unknown mode {self.metrics.wandb_mode!r} (expected \"offline\", \"online\" or \"disabled\")")
-        w = self.watchdog
-        for name in ("interval_s", "health_every_s", "health_timeout_s"):
-            need(getattr(w, name) > 0, f"watchdog.{name}", "must be > 0")
-        need(w.failures >= 1, "watchdog.failures", "must be ≥ 1")
-        need(w.max_restarts >= 0, "watchdog.max_restarts", "must be ≥ 0")
         return self
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """Every setting as plain JSON values (the journal's record of what a run was started with)."""
+        d: dict[str, Any] = {name: getattr(self, name).model_dump() for name in _SECTIONS if name != "scheduler"}
+        d["scheduler"] = dataclasses.asdict(self.scheduler)
         d["scheduler"]["mode"] = self.scheduler.mode.value
         d["scheduler"]["short_group"] = self.scheduler.short_group.value
-        return d
+        return {name: d[name] for name in _SECTIONS}
 
 
 _SECTIONS = {f.name: f for f in fields(RunConfig)}
+_SECTION_TYPES: dict[str, type[_Section]] = {
+    f.name: type(f.default_factory()) for f in fields(RunConfig) if f.name != "scheduler"}  # type: ignore[misc]
 
 
-def _coerce(where: str, default: Any, value: Any, annotation: str) -> Any:
-    if isinstance(default, bool) or annotation == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if isinstance(default, int) and annotation.startswith("int"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if isinstance(default, float) or annotation.startswith("float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
-        return float(value)
-    if isinstance(default, str):
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if isinstance(default, dict):
-        if not isinstance(value, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                for k, v in value.items()):
-            raise ConfigError(f"{where}: expected a table of names to non-negative numbers, got {value!r}")
-        return {k: float(v) for k, v in value.items()}
-    if isinstance(default, list):
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-        return list(value)
-    return value
+def _problem(err: Mapping[str, Any], known: Sequence[str], value: Any) -> str:
+    """One of pydantic's errors said as this file's errors say it."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    bounds = {"greater_than_equal": ("≥", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("≤", "le"),
+              "less_than": ("<", "lt")}
+    if kind == "extra_forbidden":
+        return f"unknown key (known: {', '.join(sorted(known))})"
+    if kind == "dict_type" or len(err["loc"]) > 1 and isinstance(value, Mapping):
+        return f"expected a table of names to non-negative numbers, got {value!r}"
+    if kind in bounds:
+        sign, key = bounds[kind]
+        return f"must be {sign} {ctx[key]:g}, got {value!r}"
+    if kind == "literal_error":  # wandb_mode -> "unknown mode 'x' (expected 'offline', ...)"
+        return f"unknown {str(err['loc'][0]).split('_')[-1]} {value!r} (expected {ctx['expected']})"
+    if kind == "bool_type":
+        return f"expected true or false, got {value!r}"
+    if kind.startswith("int_"):
+        return f"expected an integer, got {value!r}"
+    if kind.startswith("float_") or kind == "finite_number":
+        return f"expected a finite number, got {value!r}"
+    if kind == "list_type" or kind == "string_type" and isinstance(value, list):
+        return f"expected a list of strings, got {value!r}"
+    if kind == "string_type":
+        return f"expected a string, got {value!r}"
+    return str(err["msg"])
 
 
 def _build_section(name: str, raw: Mapping[str, Any]) -> Any:
@@ -549,13 +491,13 @@ def _build_section(name: str, raw: Mapping[str, Any]) -> Any:
             raise ConfigError(f"scheduler.{e}") from e
         except (TypeError, ValueError) as e:
             raise ConfigError(f"scheduler: {e}") from e
-    cls = _SECTIONS[name].default_factory()  # type: ignore[misc]
-    known = {f.name: f for f in fields(cls)}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
-        setattr(cls, key, _coerce(f"{name}.{key}", getattr(cls, key), value, str(known[key].type)))
-    return cls
+    cls = _SECTION_TYPES[name]
+    try:
+        return cls.model_validate(dict(raw))
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else ""
+        raise ConfigError(f"{name}.{key}: {_problem(err, list(cls.model_fields), raw.get(key))}") from None
 
 
 def _parse_value(text: str) -> Any:
