@@ -11,9 +11,12 @@ Two runs, each shared by several faults:
   timeout, unresolved until the overall budget ends, discarded), a harness that crashes after
   leaving its answer (exit 1: the answer is assessed and used) and one SIGKILLed mid-run (a crash
   with nothing to assess: excluded at once, never a zero).
-* ``engine_killed_mid_request``: the satellite's SGLang server is SIGKILLed while calls are in
-  flight on it; the watchdog moves its executions, the proxy retries those calls on the core's
-  engine, the engine is restarted on the current weights, and no harness sees an error.
+* ``engines_killed_mid_request``: a run with a standalone rollout pool (an SGLang engine of its
+  own, ``scheduler.standalone_capacity`` > 0, never switched). The satellite's SGLang server and
+  the pool's are both SIGKILLed while calls are in flight on them; the watchdog moves their
+  executions, the proxy retries those calls on another engine, each engine is restarted on the
+  current weights under a new URL, and no harness sees an error. The pool served rollouts and
+  never switched role.
 
 Each test counts dispatched/launched/finished/trained/excluded/dropped executions and asserts that
 zero finished executions are lost.
@@ -293,38 +296,41 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
         assert execs[7].fate == "filtered" and ex["filtered"] >= 1
 
 
-def test_engine_killed_mid_request(tmp_path: Path) -> None:
+def test_engines_killed_mid_request(tmp_path: Path) -> None:
     """Counts: 64 trained (8 steps × B=2 × N=4), 0 failed, 0 excluded, 0 lost; the calls that were
-    in flight on the killed engine were served again elsewhere (attempts ≥ 2), every harness
-    exited cleanly, and the engine came back under a new URL on the current weights."""
+    in flight on each killed engine (the satellite's, the standalone pool's) were served again
+    elsewhere (attempts ≥ 2), every harness exited cleanly, and each engine came back under a new
+    URL on the current weights. The pool ran executions and never switched role."""
     from gyre_core.orchestrator.embedded import run_live
 
     script = tmp_path / "fault_harness.py"
     script.write_text(HARNESS)
     out = tmp_path / "run"
-    # long enough to see the restarted engine serve: a restart takes 25-40 s here (40-130 s on a
+    # long enough to see the restarted engines serve: a restart takes 25-40 s here (40-130 s on a
     # loaded CPU), the steps come about 9 s apart
     steps = 8
     cfg = _config(out, script, {}, turns=5, **{
-        "run.steps": steps, "harness.timeout_s": 120.0, "harness.overall_budget_s": 240.0})
+        "run.steps": steps, "harness.timeout_s": 120.0, "harness.overall_budget_s": 240.0,
+        "scheduler.standalone_capacity": 2})
     parts: dict[str, Any] = {}
-    killed: dict[str, Any] = {}
+    killed: dict[str, dict[str, Any]] = {}
 
-    async def kill_satellite_mid_request() -> None:
-        proxy, engine = parts["proxy"], parts["engines"][1]
-        url = engine.url
+    async def kill_mid_request(name: str, engine: Any, calls: int) -> None:
+        proxy, url = parts["proxy"], engine.url
         t_start = time.monotonic()
         while time.monotonic() - t_start < 120:
             await asyncio.sleep(0.02)
             inflight = dict(proxy._inflight.get(url, {}))  # rid -> execution id
-            if time.monotonic() - t_start >= 2.0 and len(inflight) >= 2:
+            if time.monotonic() - t_start >= 2.0 and len(inflight) >= calls:
                 engine.kill()  # SIGKILL, on the loop thread: nothing completes between look and kill
-                killed.update(url=url, at=parts["orchestrator"].now(), executions=sorted(set(inflight.values())))
+                killed[name] = {"url": url, "at": parts["orchestrator"].now(),
+                                "executions": sorted(set(inflight.values()))}
                 return
 
     def on_started(p: dict[str, Any]) -> None:
         parts.update(p)
-        parts["killer"] = p["loop"].create_task(kill_satellite_mid_request())
+        parts["killers"] = [p["loop"].create_task(kill_mid_request("satellite", p["engines"][1], 2)),
+                            p["loop"].create_task(kill_mid_request("pool", p["standalone_engine"], 1))]
 
     t0 = time.monotonic()
     summary = run_live(cfg, on_started=on_started)
@@ -334,11 +340,19 @@ def test_engine_killed_mid_request(tmp_path: Path) -> None:
     print(f"\nfault run B: {wall:.0f} s; killed {killed}; restarts {summary['engine_restarts']}; "
           f"executions {summary['executions']}")
 
-    assert killed.get("executions"), "the satellite engine never had two calls in flight"
-    assert summary["steps"] == steps
+    assert killed.get("satellite", {}).get("executions"), "the satellite engine never had two calls in flight"
+    assert killed.get("pool", {}).get("executions"), "the pool's engine never had a call in flight"
+    assert summary["steps"] == steps and summary["policy_version"] == steps
     ex = summary["executions"]
     assert ex["trained"] == steps * 2 * 4 and ex["excluded"] == 0
     _assert_nothing_lost(orch, ex)
+
+    # The pool ran executions like a cell's engine, and never switched role.
+    assert ex["launched_on"].get("standalone", 0) > 0, ex
+    assert sum(ex["launched_on"].values()) == ex["launched"]
+    assert {s["cell"] for s in summary["role_switches"]} <= {0, 1}
+    assert (out / "engine-standalone.log").exists()
+    assert [p["version"] for p in summary["publications"]] == list(range(1, steps + 1))
 
     # The harnesses saw no error: every one completed (exit 0) with a clean report.
     ended = [x for x in execs.values() if x.outcome is not None]
@@ -347,14 +361,21 @@ def test_engine_killed_mid_request(tmp_path: Path) -> None:
     reports = _reports_of_finished(out, execs)
     assert all(r["error"] is None for r in reports.values()), [r for r in reports.values() if r["error"]]
 
-    # The calls in flight at the kill were generated again on another engine, invisibly.
-    retried = [c for eid in killed["executions"] for c in proxy.records(eid).calls if c.attempts >= 2]
-    assert retried, {eid: [(c.engine, c.attempts) for c in proxy.records(eid).calls] for eid in killed["executions"]}
-    assert all(c.engine != killed["url"] for c in retried)
+    # The calls in flight at each kill were generated again on another engine, invisibly.
+    for k in killed.values():
+        retried = [c for eid in k["executions"] for c in proxy.records(eid).calls if c.attempts >= 2]
+        assert retried, {eid: [(c.engine, c.attempts) for c in proxy.records(eid).calls] for eid in k["executions"]}
+        assert all(c.engine != k["url"] for c in retried)
 
-    # The watchdog restarted it once, on a new URL, on the policy version the others served.
-    (r,) = summary["engine_restarts"]
-    assert r["cell"] == 1 and r["old_url"] == killed["url"] and r["new_url"] not in (None, killed["url"])
-    assert r["back_at"] is not None and r["detected_at"] - killed["at"] < 3.0
-    assert orch.cells[1].engine_url == r["new_url"] and proxy.router.slot(r["new_url"]).cell_index == 1
-    assert not proxy.router.slot(killed["url"]).accepting
+    # The watchdog restarted each once, on a new URL, on the policy version the others served.
+    restarts = {r["cell"]: r for r in summary["engine_restarts"]}
+    assert sorted(restarts) == [-1, 1] and len(summary["engine_restarts"]) == 2, summary["engine_restarts"]
+    for cell, name in ((1, "satellite"), (-1, "pool")):
+        r = restarts[cell]
+        assert r["old_url"] == killed[name]["url"] and r["new_url"] not in (None, killed[name]["url"])
+        assert r["back_at"] is not None and r["detected_at"] - killed[name]["at"] < 3.0
+        assert not proxy.router.slot(killed[name]["url"]).accepting
+    assert orch.cells[1].engine_url == restarts[1]["new_url"] and proxy.router.slot(restarts[1]["new_url"]).cell_index == 1
+    assert orch.cells.standalone.engine_url == restarts[-1]["new_url"]
+    assert proxy.router.slot(restarts[-1]["new_url"]).kind == "standalone"
+    assert (out / "engine-standalone.restart1.log").exists()
