@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_core.interfaces import ExecutionSpec, StateRef
+from gyre_core.interfaces import ExecutionSpec, StateRef, TaskOptions
 from gyre_core.tasks import digits
 
 STATE = StateRef("final", "main")
@@ -32,7 +32,7 @@ def test_evaluator_scores_the_reply_and_a_missing_reply_is_unresolved(tmp_path: 
 
 
 def test_instances_are_per_group_and_reproducible() -> None:
-    a = digits.gyre_task_instance(task="digits", group_id=3, seed=1, options={})
-    assert a == digits.gyre_task_instance(task="digits", group_id=3, seed=1, options={})
-    assert digits.gyre_task_instance(task="number-guess", group_id=3, seed=1, options={}) is None
+    a = digits.gyre_task_instance(task="digits", group_id=3, seed=1, options=TaskOptions())
+    assert a == digits.gyre_task_instance(task="digits", group_id=3, seed=1, options=TaskOptions())
+    assert digits.gyre_task_instance(task="number-guess", group_id=3, seed=1, options=TaskOptions()) is None
     assert "digits" in a.prompt

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_core.config import ConfigError
-from gyre_core.interfaces import ExecutionSpec, StateRef, Validity
+from gyre_core.interfaces import ExecutionSpec, StateRef, TaskOptions, Validity
 from gyre_core.orchestrator.run_config import load_run_config
 from gyre_core.tasks import file_tasks as ft
 
@@ -66,8 +66,8 @@ def _spec(tmp_path: Path, extra: dict) -> tuple[ExecutionSpec, StateRef]:
 
 def test_records_become_instances_with_their_prompts_and_files(tmp_path: Path) -> None:
     tasks = _files(tmp_path)
-    opts = {"train": str(tasks), "prompt_template": "Make it {expected}", "reward": f"{tmp_path}/reward.py:score",
-            "evaluator": []}
+    opts = TaskOptions(name="file", train=str(tasks), prompt_template="Make it {expected}",
+                       reward=f"{tmp_path}/reward.py:score")
     seen = {}
     for g in range(2):
         inst = ft.gyre_task_instance(task="file", group_id=g, seed=3, options=opts)
@@ -223,5 +223,5 @@ def test_a_parquet_task_file_is_read_like_json_lines(tmp_path: Path) -> None:
     path = tmp_path / "tasks.parquet"
     pq.write_table(table, path)
     assert [r["prompt"] for r in load_records(path)] == ["task 0", "task 1", "task 2"]
-    inst = gyre_task_instance("file", 0, 7, {"train": str(path), "evaluator": ["true"]})
+    inst = gyre_task_instance("file", 0, 7, TaskOptions(name="file", train=str(path), evaluator=("true",)))
     assert inst.prompt.startswith("task ") and inst.options["workspace_files"] == {"a.py": f"x = {inst.index}\n"}

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gyre_core.config import ConfigError
+from gyre_core.interfaces import TaskOptions
 from gyre_core.orchestrator.run_config import load_run_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -134,13 +135,13 @@ def test_built_in_task_instances_are_deterministic_per_group() -> None:
     from gyre_core.orchestrator.embedded import _plugin_manager
 
     pm = _plugin_manager()
-    a = pm.hook.gyre_task_instance(task="number-guess", group_id=3, seed=1, options={"turns": 2})
-    b = pm.hook.gyre_task_instance(task="number-guess", group_id=3, seed=1, options={"turns": 2})
-    c = pm.hook.gyre_task_instance(task="number-guess", group_id=4, seed=1, options={"turns": 2})
+    a = pm.hook.gyre_task_instance(task="number-guess", group_id=3, seed=1, options=TaskOptions(turns=2))
+    b = pm.hook.gyre_task_instance(task="number-guess", group_id=3, seed=1, options=TaskOptions(turns=2))
+    c = pm.hook.gyre_task_instance(task="number-guess", group_id=4, seed=1, options=TaskOptions(turns=2))
     assert a.as_extra() == b.as_extra() and a.as_extra()["task"] == "number-guess"
     assert a.as_extra()["turns"] == 2 and a.prompt == b.prompt
     assert (a.secret, c.secret) != (None, None)
-    assert pm.hook.gyre_task_instance(task="other", group_id=0, seed=0, options={}) is None
+    assert pm.hook.gyre_task_instance(task="other", group_id=0, seed=0, options=TaskOptions()) is None
 
 
 def test_version_names_gyre_and_what_it_found(capsys) -> None:

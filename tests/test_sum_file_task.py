@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_core.interfaces import ExecutionSpec, StateRef
+from gyre_core.interfaces import ExecutionSpec, StateRef, TaskOptions
 from gyre_core.tasks import sum_file
 
 STATE = StateRef("final", "main")
@@ -44,10 +44,10 @@ def test_other_tasks_are_not_claimed(tmp_path: Path) -> None:
 
 
 def test_instances_are_deterministic_and_hide_nothing_needed() -> None:
-    i = sum_file.gyre_task_instance(task="sum-file", group_id=3, seed=1, options={})
-    assert i == sum_file.gyre_task_instance(task="sum-file", group_id=3, seed=1, options={})
+    i = sum_file.gyre_task_instance(task="sum-file", group_id=3, seed=1, options=TaskOptions())
+    assert i == sum_file.gyre_task_instance(task="sum-file", group_id=3, seed=1, options=TaskOptions())
     assert str(i.a) in i.prompt and str(i.b) in i.prompt and "answer.txt" in i.prompt
-    assert sum_file.gyre_task_instance(task="other", group_id=3, seed=1, options={}) is None
+    assert sum_file.gyre_task_instance(task="other", group_id=3, seed=1, options=TaskOptions()) is None
 
 
 def test_a_crashed_harness_without_an_answer_is_unresolved_but_its_answer_still_counts(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         ServingSide,
         StateRef,
         TaskInstance,
+        TaskOptions,
         TrainingOptions,
         TrainingSide,
         TrajectoryLeaf,
@@ -116,13 +117,14 @@ def gyre_make_engine_client(url: str, options: ServingOptions) -> EngineClient |
 
 
 @hookspec(firstresult=True)
-def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> TaskInstance | None:
+def gyre_task_instance(task: str, group_id: int, seed: int, options: TaskOptions) -> TaskInstance | None:
     """The query of rollout group ``group_id`` of task ``task``. firstresult.
 
     Called by the live orchestrator once per dispatched group (a short group's top-up reuses its
     group's instance), and once before a run starts to check that some plugin provides ``task``.
     Deterministic in ``(group_id, seed)``, so a resumed run gives every group the same query.
-    ``options`` is the run configuration's ``[task]`` section. Return a
+    ``options`` (:class:`gyre_core.interfaces.TaskOptions`) is the run configuration's ``[task]``
+    section (an evaluation's names its held-out file as ``train``). Return a
     :class:`gyre_core.interfaces.TaskInstance`, or ``None`` if this plugin does not provide
     ``task``.
     """

@@ -42,6 +42,7 @@ __all__ = [
     "StepRecovery",
     "StreamHealth",
     "TaskInstance",
+    "TaskOptions",
     "TrainingOptions",
     "TrainingSide",
     "TrajectoryLeaf",
@@ -338,6 +339,24 @@ class EngineOptions:
     """Start with memory release and resume enabled (a cell's engine, which yields to training)."""
     mooncake: MooncakeOptions | None = None
     """The engine's Mooncake endpoint (weight pulls, KV hand-off); ``None``: none."""
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """What a task plugin draws each group's query from (``gyre_task_instance``; ``[task]``)."""
+
+    name: str = "number-guess"
+    turns: int = 3
+    """Turns of a multi-turn built-in task (number-guess)."""
+    train: str = ""
+    """The task file (file tasks); an evaluation hands its held-out file here instead."""
+    prompt_template: str = ""
+    reward: str = ""
+    """``path/to/file.py:function`` scoring a record's workspace."""
+    evaluator: tuple[str, ...] = ()
+    """A command run in the workspace, in the sandbox (instead of ``reward``)."""
+    setup: tuple[str, ...] = ()
+    setup_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from gyre_core.orchestrator.journal import Journal, Replay
 from gyre_core.orchestrator.failure import RunError, cause_lines, write_error_log
 from gyre_core.orchestrator.hf_folders import TOKENIZER_FILES
 from gyre_core.orchestrator.live import CellHandles, LiveOrchestrator, StandaloneHandles
-from gyre_core.orchestrator.plugin_options import engine_options, serving_options, training_options
+from gyre_core.orchestrator.plugin_options import engine_options, serving_options, task_options, training_options
 from gyre_core.orchestrator.preflight import check_preflight
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.orchestrator.status_line import StatusLine
@@ -215,7 +215,7 @@ def run_live(
     say = progress or status.log  # type: ignore[union-attr]
     pm = _plugin_manager(plugins)
     if pm.hook.gyre_task_instance(task=cfg.task.name, group_id=0, seed=cfg.run.seed,
-                                  options=cfg.task.model_dump()) is None:
+                                  options=task_options(cfg)) is None:
         raise ConfigError(f"task.name: no installed plugin provides task {cfg.task.name!r}")
     check_preflight(cfg, pm)  # before any process starts: every part loadable, or one line each
     out = Path(cfg.run.out_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")

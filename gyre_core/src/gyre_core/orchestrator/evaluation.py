@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gyre_core.interfaces import Assessment, ExecutionSpec, HarnessEnds, StateRef, Validity
 from gyre_core.orchestrator.live_executions import harness_extra, infra_verdict
+from gyre_core.orchestrator.plugin_options import task_options
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class HeldOutEvaluation:
         its tasks drawn through the plugin hooks: every record of the eval file once, in order."""
         from gyre_core.tasks.file_tasks import load_records
 
-        options = {**cfg.task.model_dump(), "train": cfg.task.eval}  # the eval file, drawn like a train file
+        options = task_options(cfg, held_out=True)  # the eval file, drawn like a train file
         instances = [pm.hook.gyre_task_instance(task=cfg.task.name, group_id=g, seed=cfg.run.seed, options=options)
                      for g in range(len(load_records(cfg.task.eval)))]
         instances.sort(key=lambda inst: getattr(inst, "index", 0))

@@ -23,6 +23,7 @@ from gyre_core.orchestrator.failure import RunFailed
 from gyre_core.orchestrator.harness import TaskSetupFailed, classify_end
 from gyre_core.orchestrator.journal import Journal, selected_to_json, tree_to_json
 from gyre_core.orchestrator.live_cells import LiveCells
+from gyre_core.orchestrator.plugin_options import task_options
 from gyre_core.orchestrator.run_config import RunConfig
 from gyre_core.scheduler import events as ev
 from gyre_core.scheduler.events import Outcome
@@ -131,6 +132,7 @@ class LiveExecutions:
                  cells: LiveCells, now: Callable[[], float], emit: Callable[[ev.Event], None],
                  spawn: Callable[[Any, str], None], blocking: Executor) -> None:
         self.cfg = cfg
+        self._task_options = task_options(cfg)
         self.proxy = proxy
         self.proxy_url = proxy_url
         self.pm = pm
@@ -163,7 +165,7 @@ class LiveExecutions:
         self.buffer.dispatch(cmd)
         if cmd.refill_of is None:
             inst = self.pm.hook.gyre_task_instance(task=self.cfg.task.name, group_id=cmd.group_id,
-                                                   seed=self.cfg.run.seed, options=self.cfg.task.model_dump())
+                                                   seed=self.cfg.run.seed, options=self._task_options)
             if inst is None:
                 raise RunFailed(f"no plugin provides task {self.cfg.task.name!r}")
             self.groups[cmd.group_id] = {"instance": inst, "version": cmd.version, "rewards": []}

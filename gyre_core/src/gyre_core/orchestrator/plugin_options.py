@@ -18,12 +18,13 @@ from gyre_core.interfaces import (
     MooncakeOptions,
     PublicationOptions,
     ServingOptions,
+    TaskOptions,
     TrainingOptions,
 )
 from gyre_core.orchestrator.run_config import RunConfig
 
 __all__ = ["engine_options", "launch_options", "mooncake_options", "publication_options", "serving_options",
-           "training_options", "with_url"]
+           "task_options", "training_options", "with_url"]
 
 
 def mooncake_options(cfg: RunConfig) -> MooncakeOptions:
@@ -81,6 +82,15 @@ def serving_options(cfg: RunConfig, url: str, api_key: str) -> ServingOptions:
     """One engine's serving side and client: the run's engine key, and how loads are checked."""
     p = cfg.publication
     return ServingOptions(url=url, api_key=api_key, version_wait_s=p.version_wait_s, load_attempts=p.load_attempts)
+
+
+def task_options(cfg: RunConfig, held_out: bool = False) -> TaskOptions:
+    """The ``[task]`` section as the task plugins read it; ``held_out``: its held-out file
+    (``task.eval``) in place of the train file, drawn the same way."""
+    t = cfg.task
+    return TaskOptions(name=t.name, turns=t.turns, train=t.eval if held_out else t.train,
+                       prompt_template=t.prompt_template, reward=t.reward, evaluator=tuple(t.evaluator),
+                       setup=tuple(t.setup), setup_timeout_s=t.setup_timeout_s)
 
 
 def with_url(options: ServingOptions, url: str) -> ServingOptions:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from gyre_core.hookspecs import hookimpl
-from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, TaskOptions
 from gyre_core.tasks.workspace_files import read_workspace_file
 
 __all__ = ["REPLY_FILE", "REPLY_LIMIT_BYTES", "TASK_NAME", "DigitsInstance", "score_reply", "score_workspace"]
@@ -55,7 +55,7 @@ def score_workspace(workdir: str | Path) -> tuple[float, str]:
 
 
 @hookimpl
-def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> DigitsInstance | None:
+def gyre_task_instance(task: str, group_id: int, seed: int, options: TaskOptions) -> DigitsInstance | None:
     if task != TASK_NAME:
         return None
     return DigitsInstance(random.Random(seed * 1_000_037 + group_id).randint(0, 999))

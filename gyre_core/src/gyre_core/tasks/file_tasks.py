@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from gyre_core.hookspecs import hookimpl
-from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, TaskOptions
 from gyre_core.tasks.workspace_command import run_in_workspace
 
 __all__ = ["TASK_NAME", "FileTaskInstance", "file_task_problems", "load_records", "record_for_group",
@@ -192,22 +192,20 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
 
 
 @hookimpl
-def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> FileTaskInstance | None:
-    if task != TASK_NAME or not options.get("train"):
+def gyre_task_instance(task: str, group_id: int, seed: int, options: TaskOptions) -> FileTaskInstance | None:
+    if task != TASK_NAME or not options.train:
         return None
-    records = load_records(options["train"])
+    records = load_records(options.train)
     index, epoch = record_for_group(len(records), seed, group_id)
     record = records[index]
     workspace = record.get("workspace")
     if isinstance(workspace, list):  # a Parquet map column reads back as (path, content) pairs
         workspace = dict(workspace)
     files = workspace if isinstance(workspace, dict) else {}
-    src = str((Path(options["train"]).resolve().parent / workspace).resolve()) if isinstance(workspace, str) else ""
-    return FileTaskInstance(index, epoch, record, render_prompt(record, str(options.get("prompt_template") or "")),
-                            {"reward": str(options.get("reward") or ""),
-                             "evaluator": list(options.get("evaluator") or []), "workspace_src": src,
-                             "setup": list(options.get("setup") or []),
-                             "setup_timeout_s": float(options.get("setup_timeout_s") or 300.0),
+    src = str((Path(options.train).resolve().parent / workspace).resolve()) if isinstance(workspace, str) else ""
+    return FileTaskInstance(index, epoch, record, render_prompt(record, options.prompt_template),
+                            {"reward": options.reward, "evaluator": list(options.evaluator), "workspace_src": src,
+                             "setup": list(options.setup), "setup_timeout_s": options.setup_timeout_s,
                              "workspace_files": {str(k): str(v) for k, v in files.items()}})
 
 

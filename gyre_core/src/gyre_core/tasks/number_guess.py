@@ -18,10 +18,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from gyre_core.hookspecs import hookimpl
-from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, TaskOptions
 from gyre_core.tasks.workspace_files import read_workspace_file
 
 __all__ = ["ANSWER_LIMIT_BYTES", "TASK_NAME", "NumberGuessInstance", "make_instance", "score_workspace"]
@@ -75,10 +75,10 @@ def score_workspace(workdir: str | Path, secret: int, low: int = 0, high: int = 
 
 
 @hookimpl
-def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> NumberGuessInstance | None:
+def gyre_task_instance(task: str, group_id: int, seed: int, options: TaskOptions) -> NumberGuessInstance | None:
     if task != TASK_NAME:
         return None
-    return make_instance(group_id, seed, int(options.get("turns", 3)))
+    return make_instance(group_id, seed, options.turns)
 
 
 @hookimpl

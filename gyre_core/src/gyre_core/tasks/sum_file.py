@@ -16,10 +16,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from gyre_core.hookspecs import hookimpl
-from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef
+from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, TaskOptions
 from gyre_core.tasks.workspace_files import WorkspaceFileRefused, read_workspace_file
 
 __all__ = ["ANSWER_LIMIT_BYTES", "TASK_NAME", "SumFileInstance", "make_instance", "score_answer", "score_workspace"]
@@ -65,7 +65,7 @@ def score_workspace(workdir: str | Path, expected: int) -> tuple[float, str]:
 
 
 @hookimpl
-def gyre_task_instance(task: str, group_id: int, seed: int, options: Mapping[str, Any]) -> SumFileInstance | None:
+def gyre_task_instance(task: str, group_id: int, seed: int, options: TaskOptions) -> SumFileInstance | None:
     return make_instance(group_id, seed) if task == TASK_NAME else None
 
 
