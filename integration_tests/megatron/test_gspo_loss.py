@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 pytest.importorskip("transformers")
 
 from gyre_core.dataplane.objective import GSPOConfig, gspo_loss, log_ratio_sums, target_logprobs  # noqa: E402
+from gyre_core.interfaces import PublicationOptions  # noqa: E402
 from gyre_megatron.testing import make_gspo_microsteps  # noqa: E402
 
 # Executions 0-7 over 4 micro-steps of 2 executions each. Offsets set s_e = exp(offset):
@@ -55,7 +56,6 @@ SPLIT_CLIPPED = 3
 @pytest.fixture(scope="module", params=["pp1", "pp2", "moe-tp2-ep2"])
 def world(request, tmp_path_factory):
     from gyre_megatron.export import load_hf_model, publish
-    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 transformers = pytest.importorskip("transformers")
 
 from gyre_megatron.hf_import import UnsupportedModel, spec_from_hf_config, spec_from_hf_dir  # noqa: E402
+from gyre_core.interfaces import PublicationOptions  # noqa: E402
 
 LAYOUTS = [("qwen2", False, 1, 1, 1), ("qwen2", False, 1, 2, 1), ("qwen2", True, 1, 1, 1), ("qwen2", True, 1, 2, 1),
            ("qwen3", False, 1, 1, 1), ("qwen3", False, 2, 1, 1), ("qwen3", False, 2, 2, 1),
@@ -90,7 +91,6 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
 
 def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
     from gyre_megatron.export import load_hf_model, publish
-    from gyre_core.interfaces import PublicationOptions
     from gyre_megatron.testing import read_weights
 
     w, ckpt, original, out = imported
