@@ -7,7 +7,6 @@ that acts on it is one assignment here. Plugins read fields and keep no defaults
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -24,7 +23,7 @@ from gyre_core.interfaces import (
 from gyre_core.orchestrator.run_config import RunConfig
 
 __all__ = ["engine_options", "launch_options", "mooncake_options", "publication_options", "serving_options",
-           "task_options", "training_options", "with_url"]
+           "task_options", "training_options"]
 
 
 def mooncake_options(cfg: RunConfig) -> MooncakeOptions:
@@ -92,7 +91,3 @@ def task_options(cfg: RunConfig, held_out: bool = False) -> TaskOptions:
                        prompt_template=t.prompt_template, reward=t.reward, evaluator=tuple(t.evaluator),
                        setup=tuple(t.setup), setup_timeout_s=t.setup_timeout_s)
 
-
-def with_url(options: ServingOptions, url: str) -> ServingOptions:
-    """The same options for an engine that came back at another address (a restart)."""
-    return dataclasses.replace(options, url=url)
