@@ -1,8 +1,8 @@
 """A satellite's join latency against the bytes it pulls from the core (Mooncake, loopback TCP).
 
 Two cells of one rank each. For each size the core exposes a buffer through the same
-:class:`~gyre_megatron.transfer.WeightTransport` path as its weights and the satellite pulls it
-(layout from the c10d store, batch read, checksum). A real mid-batch join of the model's weights
+:class:`~gyre_megatron.transfer.SatelliteWeights` path as its weights and the satellite pulls it
+(location from the c10d store, one read, CRC32 and manifest checked, copied into place). A real mid-batch join of the model's weights
 is timed as well. Prints one JSON object.
 """
 

@@ -87,3 +87,45 @@ def test_registered_memory_is_readable_once_registered_and_gone_once_released() 
     assert src.data_ptr() not in exposed
     assert read(reader, session, [dst.data_ptr()], [src.data_ptr()], [n]) != 0
     landing.release_all()
+
+
+@pytest.mark.mooncake
+def test_a_satellite_pulls_the_cores_parameters_verified_and_shares_the_ranks_engine() -> None:
+    """The satellite pull over the publication's format: a core exposes its parameters (a copy,
+    so later updates do not tear the read), the satellite pulls them exactly; a torn buffer, a
+    layout or a shape of its own are refused before any parameter is touched; the rank's
+    publication and its satellite exposure share one Mooncake engine; released, nothing is read."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda)")
+    import torch
+    import torch.distributed as dist
+
+    from gyre_core.published_weights import WeightPublisher
+    from gyre_megatron.transfer import SatelliteWeights
+
+    store = dist.HashStore()
+    core, satellite = SatelliteWeights(store), SatelliteWeights(store)
+    params = [torch.randn(3, 5), torch.arange(7, dtype=torch.float32), torch.randn(2, 2, dtype=torch.float64)]
+    core.expose("gyre/step4/w0", 4, params)
+    snapshot = [p.clone() for p in params]
+    params[0].add_(1.0)  # the core moves on after the all-reduce: the exposed copy does not
+    mine = [torch.zeros_like(p) for p in params]
+    nbytes, secs = satellite.pull("gyre/step4/w0", mine)
+    assert nbytes == sum(p.numel() * p.element_size() for p in params) and secs >= 0
+    assert all(torch.equal(a, b) for a, b in zip(mine, snapshot))
+    assert satellite.last_peer == f"{core.endpoint.host}:{core.engine.get_rpc_port()}"
+
+    untouched = [torch.zeros_like(p) for p in params]
+    with pytest.raises(RuntimeError, match="layout mismatch"):
+        satellite.pull("gyre/step4/w0", untouched[:2])
+    with pytest.raises(RuntimeError, match="tensor 2: exposed torch.float64"):
+        satellite.pull("gyre/step4/w0", untouched[:2] + [torch.zeros(2, 2)])
+    core._exposed.buffer(4)[0] ^= 0xFF  # a torn read: the CRC32 no longer matches
+    with pytest.raises(RuntimeError, match="CRC32 mismatch"):
+        satellite.pull("gyre/step4/w0", untouched)
+    assert all(not t.any() for t in untouched)
+
+    publisher = WeightPublisher(core.endpoint, engine=lambda: core.engine)
+    assert publisher.engine is core.engine  # one engine per rank for both
+    core.release()
+    with pytest.raises(RuntimeError, match="failed"):
+        satellite.pull("gyre/step4/w0", mine)

@@ -20,6 +20,12 @@ Two runs, each shared by several faults:
 
 Each test counts dispatched/launched/finished/trained/excluded/dropped executions and asserts that
 zero finished executions are lost.
+
+Fault run A also checks each execution's sandbox from inside (every harness probes it before its
+first call; they run in bubblewrap, the default): each tries to list and read sibling workspaces,
+to find another execution's API key in any ``/proc/<pid>/environ``, to read the journal and the
+published weights, and to connect to every engine port, and records what it got. Nothing but its
+own workspace and the proxy may be reachable.
 """
 
 from __future__ import annotations
@@ -57,6 +63,38 @@ turns = int(sys.argv[2])
 eid = os.environ["GYRE_EXECUTION_ID"]
 mode = behaviours.get(eid, "normal")
 report = {"execution_id": int(eid), "mode": mode, "calls": 0, "error": None}
+if len(sys.argv) > 4:  # probe the sandbox from inside first: argv[3] lists the engines, argv[4] is the run folder
+    import socket
+    from pathlib import Path
+    engines_file, run_dir, own = Path(sys.argv[3]), Path(sys.argv[4]), Path.cwd()
+    probe = {"parent_listing": sorted(p.name for p in own.parent.iterdir())}
+    probe["siblings_read"] = [p.name for p in own.parent.glob("e*") if p.is_dir() and p != own
+                              and not p.name.endswith(".home") and any(p.iterdir())]
+    mine, found, pids = os.environ["OPENAI_API_KEY"].encode(), [], 0
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            pids += 1
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            found += [e for e in env if e.startswith(b"OPENAI_API_KEY=") and e != b"OPENAI_API_KEY=" + mine]
+    probe["visible_pids"], probe["foreign_keys"] = pids, len(found)
+    for name in ("journal.jsonl", "weights/v0/model.safetensors", "events.jsonl"):
+        try:
+            (run_dir / name).read_bytes()
+            probe[name] = "read"
+        except OSError as e:
+            probe[name] = type(e).__name__
+    probe["engines"] = {}
+    for url in json.loads(engines_file.read_text()) if engines_file.exists() else []:
+        host, port = url.split("//")[1].rstrip("/").split(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=3).close()
+            probe["engines"][url] = "connected"
+        except OSError as e:
+            probe["engines"][url] = type(e).__name__
+    report["sandbox"] = probe
 
 def save():
     with open("harness.json.tmp", "w") as f:
@@ -125,14 +163,16 @@ class FaultyEvaluator:
         return None  # the number-guess evaluator answers
 
 
-def _config(out: Path, script: Path, behaviours: dict[int, str], turns: int, **overrides: Any) -> Any:
+def _config(out: Path, script: Path, behaviours: dict[int, str], turns: int, *probe: str, **overrides: Any) -> Any:
+    """The small job with the fault harness; ``probe`` (the engines file, the run folder) makes
+    every harness probe its sandbox first."""
     from gyre_core.orchestrator.run_config import load_run_config
 
     bfile = out.parent / f"{out.name}-behaviours.json"
     bfile.write_text(json.dumps({str(k): v for k, v in behaviours.items()}))
     return load_run_config(SMALL_JOB, {
         "run.out_dir": str(out), "harness.kind": "command",
-        "harness.command": [sys.executable, str(script), str(bfile), str(turns)], **overrides})
+        "harness.command": [sys.executable, str(script), str(bfile), str(turns), *probe], **overrides})
 
 
 def _harness_reports(out: Path) -> dict[int, dict[str, Any]]:
@@ -159,6 +199,21 @@ def _assert_nothing_lost(orch: Any, ex: dict[str, int]) -> None:
     lost = [eid for eid, x in orch.executions.records.items() if x.fate == "ended"
             and x.reward is None and orch.executions.ledger.state(eid) is not EvalState.AWAITING]
     assert lost == [], f"finished executions lost: {lost}"
+
+
+def _assert_each_sandbox_held(reports: dict[int, dict[str, Any]], engines: int) -> None:
+    """From inside every harness: its own workspace only, no other execution's key, no record of
+    the run, no engine port (the proxy answered its calls, as the reports' call counts show)."""
+    probes = {e: r["sandbox"] for e, r in reports.items() if "sandbox" in r}
+    assert len(probes) >= 16, sorted(probes)  # every harness that got past its start (9 steps' worth ran)
+    for eid, r in probes.items():
+        assert r["parent_listing"] == sorted([f"e{eid:05d}", f"e{eid:05d}.home"]), (eid, r)
+        assert r["siblings_read"] == [] and r["foreign_keys"] == 0, (eid, r)
+        assert r["visible_pids"] <= 4, (eid, r)  # bwrap's init, the relay, the harness: its own PID namespace
+        assert all(r[name] == "FileNotFoundError" for name in ("journal.jsonl", "weights/v0/model.safetensors",
+                                                                "events.jsonl")), (eid, r)
+        assert len(r["engines"]) == engines and all(v != "connected" for v in r["engines"].values()), (eid, r)
+    assert any(r["calls"] > 0 for e, r in reports.items() if e in probes)  # and the proxy answered
 
 
 def ended_at_of(out: Path, eid: int) -> float:
@@ -190,11 +245,18 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     script = tmp_path / "fault_harness.py"
     script.write_text(HARNESS)
     out = tmp_path / "run"
-    cfg = _config(out, script, harness, turns=2, **{
+    engines_file = tmp_path / "engines.json"
+    engines_file.write_text("[]")  # it must exist when the first sandbox is built: the command names it
+    cfg = _config(out, script, harness, 2, str(engines_file), str(out.resolve()), **{
         "run.steps": steps, "harness.timeout_s": timeout_s, "harness.overall_budget_s": budget_s})
     parts: dict[str, Any] = {}
+
+    def on_started(p: dict[str, Any]) -> None:  # before any launch: every probe sees the engines
+        parts.update(p)
+        engines_file.write_text(json.dumps([e.url for e in p["engines"]]))
+
     t0 = time.monotonic()
-    summary = run_live(cfg, plugins=[evaluator], on_started=parts.update)
+    summary = run_live(cfg, plugins=[evaluator], on_started=on_started)
     wall = time.monotonic() - t0
     orch = parts["orchestrator"]
     execs, ledger = orch.executions.records, orch.executions.ledger
@@ -219,6 +281,8 @@ def test_evaluator_and_harness_faults(tmp_path: Path) -> None:
     print(f"fault run A: {len(slow)} more excluded on a slow machine: {sorted((e, execs[e].why) for e in slow)}")
     _assert_nothing_lost(orch, ex)
     assert summary["engine_restarts"] == []  # slow engines under load are not mistaken for dead
+
+    _assert_each_sandbox_held(_harness_reports(out), len(parts["engines"]))
 
     # No harness saw an error: none failed, every report is clean. (A harness launched as the run
     # ended is killed with it -- "stopped" -- and may see the proxy go away first: not a fault.)

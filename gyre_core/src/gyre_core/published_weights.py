@@ -22,6 +22,9 @@ The engine side (:class:`WeightPuller`, run by the SGLang custom weight loader o
 reads every part into one registered staging buffer of its own and refuses the version unless
 each part's CRC32 and manifest check out and no tensor appears twice, *before* any parameter is
 touched: a torn, partial or failed pull leaves the engine on its previous version.
+
+The same two classes carry the core's parameters to a satellite that joins a running step
+(``gyre_megatron.transfer``): one weight format, one verification, for both.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -202,12 +205,14 @@ class _Published:
 
 class _MooncakeSide:
     """One lazily created Mooncake engine (init takes milliseconds; many processes never need one)
-    and the memory registered with it."""
+    and the memory registered with it. ``engine``: a process's shared engine instead (a training
+    rank publishes versions and exposes its parameters to satellites from one engine)."""
 
-    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
+    def __init__(self, host: str | MooncakeEndpoint | None = None, engine: Callable[[], Any] | None = None) -> None:
         self.endpoint = _endpoint(host)
         self.host = self.endpoint.host
         self._engine: Any = None
+        self._shared_engine = engine
         self._memory = Registrations(lambda: self.engine)
         self._lock = threading.Lock()
 
@@ -220,7 +225,7 @@ class _MooncakeSide:
     @property
     def engine(self) -> Any:
         if self._engine is None:
-            self._engine = _new_engine(self.endpoint)
+            self._engine = self._shared_engine() if self._shared_engine is not None else _new_engine(self.endpoint)
         return self._engine
 
 
@@ -232,8 +237,8 @@ class WeightPublisher(_MooncakeSide):
     caller releases a version once every engine reports a newer one.
     """
 
-    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
-        super().__init__(host)
+    def __init__(self, host: str | MooncakeEndpoint | None = None, engine: Callable[[], Any] | None = None) -> None:
+        super().__init__(host, engine)
         self._published: dict[int, _Published] = {}
 
     @property
@@ -370,8 +375,8 @@ def _parse_manifest(raw: bytes, loc: Location) -> list[ManifestEntry]:
 class WeightPuller(_MooncakeSide):
     """Engine side: one Mooncake engine and one registered staging buffer, reused across pulls."""
 
-    def __init__(self, host: str | MooncakeEndpoint | None = None) -> None:
-        super().__init__(host)
+    def __init__(self, host: str | MooncakeEndpoint | None = None, engine: Callable[[], Any] | None = None) -> None:
+        super().__init__(host, engine)
         self._staging: torch.Tensor | None = None
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:

@@ -12,9 +12,10 @@ is configured. Mooncake itself is imported only when an engine is started.
 
 Every Mooncake call Gyre makes goes through here: :func:`start_transfer_engine`,
 :class:`Registrations` (memory registered with an engine, each region once, every one released)
-and :func:`read` (one-sided reads). The satellite pull (``gyre_megatron.transfer``), the weight
-publication (:mod:`gyre_core.published_weights`) and the KV hand-off (``gyre_sglang``'s server
-plugin) use them.
+and :func:`read` (one-sided reads). Two users build on them: weights, in one format
+(:mod:`gyre_core.published_weights`: a policy version published to the engines, and the core's
+parameters a joining satellite pulls, ``gyre_megatron.transfer``), and the KV hand-off
+(``gyre_sglang``'s server plugin).
 """
 
 from __future__ import annotations

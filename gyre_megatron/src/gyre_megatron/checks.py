@@ -69,17 +69,17 @@ class RankChecks:
     # ------------------------------------------------------------------ benchmarks
     def expose_buffer(self, key: str, nbytes: int) -> None:
         """Core: expose ``nbytes`` of data through the same path as the weights (benchmark)."""
-        self.transport.release()  # the previous buffer's registration must go before it is freed
+        self.satellite_weights.release()  # the previous buffer's registration must go before it is freed
         self._bench_buf = torch.randn(nbytes // 4)
-        self.transport.expose(key, [self._bench_buf])
+        self.satellite_weights.expose(key, 0, [self._bench_buf])
 
     def pull_buffer(self, key: str, nbytes: int) -> tuple[int, float]:
         """Satellite: pull what :meth:`expose_buffer` exposed; (bytes, seconds)."""
         buf = torch.empty(nbytes // 4)
         try:
-            return self.transport.pull(key, [buf])
+            return self.satellite_weights.pull(key, [buf])
         finally:
-            self.transport.release()
+            self.satellite_weights.release()
 
     # ------------------------------------------------------------------ export test
     def grads_hf(self) -> dict[str, Any]:

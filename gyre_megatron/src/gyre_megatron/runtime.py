@@ -111,7 +111,7 @@ class CellRank(RankChecks):
         self.version = 0 if self.is_core else -1
         """Policy version this cell's parameters hold (``step`` before an update, ``step+1`` after);
         a satellite starts unknown (-1), so its first join always pulls."""
-        self._transport: Any = None
+        self._satellite_weights: Any = None
         self._publisher: Any = None
         self._parts: set[int] = set()
         """Versions whose part this rank published and still exposes (every shard keeps the set)."""
@@ -167,15 +167,15 @@ class CellRank(RankChecks):
         return [p.data for p in self.ddp.module.parameters()]
 
     @property
-    def transport(self) -> Any:
-        if self._transport is None:
+    def satellite_weights(self) -> Any:
+        if self._satellite_weights is None:
             from gyre_core.transfer_endpoint import (
                 WILDCARDS,
                 MooncakeEndpoint,
                 advertised_host,
             )
 
-            from gyre_megatron.transfer import WeightTransport
+            from gyre_megatron.transfer import SatelliteWeights
 
             m = self.opts.mooncake
             # the address of this rank's node toward the orchestrator (a wildcard control host
@@ -183,8 +183,8 @@ class CellRank(RankChecks):
             peer = m.peer if m.peer not in WILDCARDS else None
             dialed = os.environ.get("GYRE_CONTROL", "").rpartition(":")[0]
             host = m.host or advertised_host(peer or dialed or os.environ.get("MASTER_ADDR"))
-            self._transport = WeightTransport(self.store, MooncakeEndpoint(host, m.protocol, m.device))
-        return self._transport
+            self._satellite_weights = SatelliteWeights(self.store, MooncakeEndpoint(host, m.protocol, m.device))
+        return self._satellite_weights
 
     def _shape_of(self, item: Any) -> list[tuple[int, ...]]:
         """A pipeline message ``[sequence, rows, hidden]``: sequence-parallel stages pass their share."""
@@ -296,7 +296,7 @@ class CellRank(RankChecks):
         if self._publisher is None:
             from gyre_core.published_weights import WeightPublisher
 
-            self._publisher = WeightPublisher(self.transport.endpoint)
+            self._publisher = WeightPublisher(self.satellite_weights.endpoint, engine=lambda: self.satellite_weights.engine)
         return self._publisher
 
     def _weights_now(self, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -399,8 +399,8 @@ class CellRank(RankChecks):
         return ts
 
     def leave_training(self) -> dict[str, Any]:
-        if self._transport is not None:
-            self._transport.release()  # storages move on restore: re-register next step
+        if self._satellite_weights is not None:
+            self._satellite_weights.release()  # storages move on restore: re-register next step
         released = self.offloader.offload(self._state_tensors())
         remaining = sum(t.untyped_storage().nbytes() for t in self._state_tensors())
         return {"released_bytes": released, "remaining_bytes": remaining}
@@ -420,7 +420,7 @@ class CellRank(RankChecks):
         """
         info: dict[str, Any] = {"rank": self.rank, "cell": self.cell, "stage": self.stage}
         if self.is_core:
-            self.transport.expose(self._key(step, f"w{self.shard}"), self.params)
+            self.satellite_weights.expose(self._key(step, f"w{self.shard}"), step, self.params)
             self.version = step
         else:
             decision = None
@@ -434,9 +434,9 @@ class CellRank(RankChecks):
             info["joined"] = True
             if self.version != step:
                 t0 = time.monotonic()
-                nbytes, _ = self.transport.pull(self._key(step, f"w{self.shard}"), self.params)
+                nbytes, _ = self.satellite_weights.pull(self._key(step, f"w{self.shard}"), self.params)
                 info["pull_bytes"], info["pull_s"] = nbytes, time.monotonic() - t0
-                info["pull_from"] = self.transport.last_peer
+                info["pull_from"] = self.satellite_weights.last_peer
                 self.version = step
         control = self._control(queue_idx)
         if self.rank == self.leader:  # claim ledger: survives this process, read on failure
@@ -572,8 +572,8 @@ class CellRank(RankChecks):
             if self.opts.clip_grad > 0 and norm > self.opts.clip_grad:
                 for buf in self.grad_buffers():
                     buf.mul_(self.opts.clip_grad / (norm + 1e-6))
-            if self._transport is not None:
-                self._transport.release()  # the snapshot window is over
+            if self._satellite_weights is not None:
+                self._satellite_weights.release()  # the snapshot window is over
             if total > 0:
                 ok, _, _ = self.optimizer.step()
             else:  # every group of the step came up empty: Adam's momentum alone must not move it

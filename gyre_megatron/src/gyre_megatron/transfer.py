@@ -1,63 +1,52 @@
-"""Satellite weight pull over the Mooncake Transfer Engine (TCP on CPU, RDMA on GPUs).
+"""Satellite weight pull: the core's parameters for one step, read by a joining satellite.
 
 A joining satellite must not interrupt the core, which is mid-batch: a collective broadcast would
 need every member of the prefix group to take part, including satellites busy with their own
-micro-steps. A one-sided read needs nobody: the core *exposes* its parameters (registers their
-memory once per step and publishes the addresses in the c10d store) and the satellite *pulls*
-them. The parameters are a valid snapshot for the whole join window because the core only
-updates them after the gradient all-reduce, which the satellite itself takes part in after its
-pull. A checksum published with the layout lets the satellite refuse a torn or wrong read.
+micro-steps. A one-sided read needs nobody: the core *exposes* its parameters once per step and
+publishes where they are in the ranks' c10d store, and the satellite *pulls* them.
 
-Parameters on a GPU travel through pinned host copies: the Mooncake build Gyre depends on
-registers host memory only. The copy costs one device-to-host pass on the core per step and one
-host-to-device pass on each joining satellite.
+The bytes travel the way a published policy version does (:mod:`gyre_core.published_weights`):
+the core copies its parameters into one registered host buffer with a manifest and a CRC32 (a
+pinned buffer on a GPU: the Mooncake build Gyre depends on registers host memory only), and the
+satellite reads that buffer into its own registered staging buffer and verifies the CRC32, the
+manifest and every tensor's shape and dtype *before* it touches a parameter. The copy is a valid
+snapshot for the whole join window whatever the core does next. One Mooncake engine per rank
+serves both this and the rank's part of each publication.
+
+Cost: one pass over the parameters on the core per step (a device-to-host copy on a GPU, which a
+register-in-place design would need as well), and on a joining satellite one read plus a copy into
+its parameters; both buffers go when the window ends (:meth:`SatelliteWeights.release`).
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from gyre_core.transfer_endpoint import MooncakeEndpoint, Registrations, read, start_transfer_engine
+from gyre_core.published_weights import PublicationError, WeightPublisher, WeightPuller, parse_parts
+from gyre_core.transfer_endpoint import MooncakeEndpoint, start_transfer_engine
 
-__all__ = ["Exposure", "WeightTransport", "checksum"]
-
-
-def checksum(tensors: Sequence[torch.Tensor]) -> float:
-    """A float64 fingerprint of ``tensors`` (order-sensitive): sum of ``i``-weighted sums."""
-    return float(sum((i + 1) * t.detach().double().sum().item() for i, t in enumerate(tensors)))
+__all__ = ["SatelliteWeights"]
 
 
-@dataclass
-class Exposure:
-    key: str
-    addrs: list[int]
-
-
-class WeightTransport:
-    """One Mooncake engine per rank, created lazily (init takes milliseconds).
+class SatelliteWeights:
+    """One rank's side of the satellite pull, on the rank's Mooncake engine (created lazily: init
+    takes milliseconds).
 
     ``endpoint`` is where this rank's engine listens: the address of its own node that the other
-    ranks reach (the core publishes it with its layout; a satellite reads from whatever the core
+    ranks reach (the core's location names it; a satellite reads from whatever the core
     advertised), and the protocol (``tcp``, or ``rdma`` with its devices)."""
 
     def __init__(self, store: Any, endpoint: MooncakeEndpoint | None = None) -> None:
         self.store = store
         self.endpoint = endpoint or MooncakeEndpoint()
         self._engine: Any = None
-        self._registered = Registrations(lambda: self.engine)
-        self._staged: list[torch.Tensor] = []
-        """Pinned host copies of exposed device tensors (kept until :meth:`release`)."""
+        self._exposed = WeightPublisher(self.endpoint, engine=lambda: self.engine)
+        self._puller = WeightPuller(self.endpoint, engine=lambda: self.engine)
         self.last_peer = ""
         """The Mooncake session the last :meth:`pull` read from (the core's advertised address)."""
-
-    @property
-    def host(self) -> str:
-        return self.endpoint.host
 
     @property
     def engine(self) -> Any:
@@ -65,54 +54,39 @@ class WeightTransport:
             self._engine = start_transfer_engine(self.endpoint)
         return self._engine
 
-    def _register(self, t: torch.Tensor) -> tuple[int, int]:
-        addr, n = t.data_ptr(), t.numel() * t.element_size()
-        self._registered.register(addr, n)
-        return addr, n
-
     def release(self) -> None:
-        """Unregister everything (storages may move, e.g. after an offload round trip)."""
-        self._registered.release_all()
-        self._staged = []
+        """End the window: the core's exposed copy and a satellite's staging buffer are
+        unregistered and freed."""
+        self._exposed.release_older_than(1 << 62)
+        self._puller.close()
 
-    def expose(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
-        """Core: make ``tensors`` readable and publish where they are under ``key``."""
-        if any(t.is_cuda for t in tensors):
-            self.release()  # the previous window's copies go first
-            self._staged = [_host_copy(t) for t in tensors]
-            tensors = self._staged
-        bufs = [self._register(t) for t in tensors]
-        peer = f"{self.host}:{self.engine.get_rpc_port()}"
-        self.store.set(key, json.dumps({"peer": peer, "bufs": bufs, "checksum": checksum(tensors)}))
+    def expose(self, key: str, step: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Core: copy ``tensors`` into a registered buffer and publish its location under ``key``."""
+        self.release()  # the previous window's copy goes first (a step redone after a failure too)
+        ref = self._exposed.publish(step, {str(i): t for i, t in enumerate(tensors)}, partial=True)
+        self.store.set(key, ref.location)
 
     def pull(self, key: str, tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
-        """Satellite: read the exposed tensors into ``tensors``; return (bytes, seconds)."""
+        """Satellite: read what the core exposed under ``key`` into ``tensors``, verified first;
+        return (bytes read, seconds)."""
         t0 = time.monotonic()
-        meta = json.loads(self.store.get(key))
-        targets = list(tensors)
-        staged = any(t.is_cuda for t in targets)
-        if staged:  # read into pinned host buffers, then onto the device
-            tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in targets]
-        if len(meta["bufs"]) != len(tensors):
-            raise RuntimeError(f"{key}: layout mismatch ({len(meta['bufs'])} vs {len(tensors)} tensors)")
-        local = [self._register(t) for t in tensors]
-        for (la, ln), (ra, rn) in zip(local, meta["bufs"]):
-            if ln != rn:
-                raise RuntimeError(f"{key}: size mismatch {ln} vs {rn}")
-        rc = read(self.engine, meta["peer"], [a for a, _ in local], [a for a, _ in meta["bufs"]], [n for _, n in local])
-        if rc != 0:
-            raise RuntimeError(f"Mooncake read from {meta['peer']} failed ({rc})")
-        self.last_peer = str(meta["peer"])
-        got = checksum(tensors)
-        if abs(got - meta["checksum"]) > 1e-9 * max(1.0, abs(meta["checksum"])):
-            raise RuntimeError(f"{key}: checksum mismatch after pull ({got} vs {meta['checksum']})")
-        if staged:
-            for t, h in zip(targets, tensors):
-                t.copy_(h)
-            for a, _ in local:  # the host buffers die here: their registration with them
-                self._registered.unregister(a)
-        return sum(n for _, n in local), time.monotonic() - t0
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        got = self.store.get(key)
+        location = got.decode() if isinstance(got, bytes) else str(got)
+        try:
+            pulled = dict(self._puller.pull(location).tensors())
+            if sorted(pulled, key=int) != [str(i) for i in range(len(tensors))]:
+                raise PublicationError(f"layout mismatch ({len(pulled)} tensors exposed, {len(tensors)} here)")
+            for i, t in enumerate(tensors):
+                src = pulled[str(i)]
+                if src.shape != t.shape or src.dtype != t.dtype:
+                    raise PublicationError(f"tensor {i}: exposed {src.dtype} {tuple(src.shape)}, "
+                                           f"here {t.dtype} {tuple(t.shape)}")
+            nbytes = sum(src.numel() * src.element_size() for src in pulled.values())
+            for i, t in enumerate(tensors):
+                t.copy_(pulled[str(i)])
+        except PublicationError as e:
+            raise RuntimeError(f"{key}: {e}") from e
+        finally:
+            self._puller.close()  # the staging buffer lives for one pull
+        self.last_peer = parse_parts(location)[0].session
+        return nbytes, time.monotonic() - t0
