@@ -88,3 +88,18 @@ def test_a_restarted_engine_starts_with_its_own_gpus_and_memory_saver(tmp_path: 
     (again,) = started
     assert (again.base_gpu_id, again.tp_size, again.memory_saver, again.mooncake) == (2, 2, True, opts[1].mooncake)
     assert again.log_path == str(tmp_path / "engine1.restart1.log")
+
+
+def test_every_publication_transport_the_configuration_admits_has_one_transport_class() -> None:
+    """``publication.transport`` is checked against a list in the run configuration and acted on
+    by name in gyre_megatron's table: the two lists are the same."""
+    from typing import get_args
+
+    from gyre_core.orchestrator.run_config import PublicationSection
+    from gyre_megatron.export import TRANSPORTS, DiskTransport, MooncakeTransport
+    from gyre_core.interfaces import PublicationOptions
+
+    assert set(get_args(PublicationSection.model_fields["transport"].annotation)) == set(TRANSPORTS)
+    disk = TRANSPORTS["disk"](PublicationOptions(transport="disk", folder="/runs/x/weights"))
+    assert disk == DiskTransport("/runs/x/weights") and isinstance(TRANSPORTS["mooncake"](PublicationOptions()),
+                                                                   MooncakeTransport)

@@ -18,6 +18,7 @@ see ``CellRank._serving_tensors``), and everything stays on the ranks: :func:`pu
 pipeline stage of the core register its part for engines to pull over Mooncake, or :func:`write`
 its own weight file (with an index when there are several) for SGLang's
 ``/update_weights_from_disk``; the orchestrator only composes the location or writes the index.
+The two are :class:`WeightTransport` s, chosen by name in :data:`TRANSPORTS`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -34,8 +36,8 @@ from gyre_core.interfaces import PublicationOptions, WeightsRef
 from gyre_megatron.model import megatron_name
 from gyre_megatron.tp_layout import merge_tp
 
-__all__ = ["hf_config", "load_hf_model", "megatron_to_hf", "merge_tp", "publish", "release_older_than",
-           "serving_dtype", "shard_file", "write"]
+__all__ = ["TRANSPORTS", "DiskTransport", "MooncakeTransport", "WeightTransport", "hf_config", "load_hf_model",
+           "megatron_to_hf", "merge_tp", "publish", "release_older_than", "serving_dtype", "shard_file", "write"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
@@ -157,22 +159,63 @@ def write(world: Any, version: int, folder: str | Path) -> Any:
     return WeightsRef(version=version, location=str(out))
 
 
-def publish(world: Any, publication: PublicationOptions, version: int) -> Any:
-    """Publish policy ``version`` where the engines load it, by the run's transport:
-    ``mooncake``: each stage of the core registers its own part and the location lists the parts
-    (:func:`gyre_core.published_weights.compose`); nothing is gathered or written. ``disk``:
-    :func:`write` into ``<publication.folder>/v<version>``."""
-    if publication.transport == "mooncake":
+class WeightTransport(Protocol):
+    """How a published policy version reaches the engines (``publication.transport``): the one
+    place a transport is chosen; the engine side tells them apart by the location's form
+    (``gyre_sglang.serving_side.load_any``)."""
+
+    def publish(self, world: Any, version: int) -> WeightsRef: ...
+
+    def release_older_than(self, world: Any, version: int) -> None:
+        """Every engine holds ``version`` or newer: what older versions hold may go."""
+
+
+@dataclass(frozen=True)
+class MooncakeTransport:
+    """Each stage of the core registers its own part (one buffer, manifest, CRC32) for the engines
+    to pull (:mod:`gyre_core.published_weights`); the location lists the parts
+    (:func:`gyre_core.published_weights.compose`). Nothing is gathered or written."""
+
+    def publish(self, world: Any, version: int) -> WeightsRef:
         from gyre_core.published_weights import compose
 
         parts = [p for p in world.call(world.ranks_of(0), "publish_part", version) if p]
         return WeightsRef(version=version, location=compose(version, parts))
-    return write(world, version, Path(publication.folder) / f"v{version}")
+
+    def release_older_than(self, world: Any, version: int) -> None:
+        world.call(world.ranks_of(0), "release_parts_older_than", version)
+
+
+@dataclass(frozen=True)
+class DiskTransport:
+    """Each stage of the core writes its own file into ``<folder>/v<version>`` (:func:`write`),
+    for SGLang's ``/update_weights_from_disk``; the folders stay (a shared file system holds them)."""
+
+    folder: str
+
+    def publish(self, world: Any, version: int) -> WeightsRef:
+        return write(world, version, Path(self.folder) / f"v{version}")
+
+    def release_older_than(self, world: Any, version: int) -> None:
+        return None  # nothing is exposed: a folder is read by whoever loads it, whenever
+
+
+TRANSPORTS: dict[str, Callable[[PublicationOptions], WeightTransport]] = {
+    "mooncake": lambda publication: MooncakeTransport(),
+    "disk": lambda publication: DiskTransport(publication.folder),
+}
+"""``publication.transport`` → its transport (the run configuration admits exactly these names)."""
+
+
+def publish(world: Any, publication: PublicationOptions, version: int) -> WeightsRef:
+    """Publish policy ``version`` where the engines load it, by the run's transport."""
+    return TRANSPORTS[publication.transport](publication).publish(world, version)
 
 
 def release_older_than(world: Any, version: int) -> None:
-    """Stop exposing the parts of versions before ``version`` (every engine holds a newer one)."""
-    world.call(world.ranks_of(0), "release_parts_older_than", version)
+    """Stop exposing the parts of versions before ``version`` (every engine holds a newer one).
+    Only Mooncake exposes anything; with disk the ranks hold no part and this is a no-op."""
+    MooncakeTransport().release_older_than(world, version)
 
 
 def load_hf_model(path: str) -> torch.nn.Module:
