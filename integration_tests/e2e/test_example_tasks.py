@@ -1,5 +1,7 @@
 """The shipped example (``examples/tasks/command.toml``) as a user runs it: the user's own tasks and
-evaluator from files, 2 steps, one held-out evaluation of the last policy on every eval task.
+evaluator from files, 2 steps, one held-out evaluation of the last policy on every eval task. The
+user brings a model of their own as well (``model.dir``, a tiny Llama: a head size of its own, no
+biases): Megatron imports it, SGLang serves each version of it, and the run keeps a Llama checkpoint.
 
 Real parts throughout: Megatron ranks, SGLang CPU servers, the proxy, the toy agent in its sandbox
 (OpenAI SDK), the example's evaluator command (the task's unit tests) in the sandbox. Then
@@ -25,14 +27,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_example_trains_two_steps_and_evaluates_the_held_out_tasks(tmp_path: Path, monkeypatch) -> None:
+    from gyre_core.tiny_model import cached_tiny_model
+
     monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
     out = tmp_path / "run"
+    model = cached_tiny_model(family="llama", hidden_size=64, num_layers=2, max_position_embeddings=2048)
     # at test sizes: 2 groups of 2 a step, short replies (the agent asks for 256 tokens; the proxy caps)
     small = ["--set", "scheduler.group_size=2", "--set", "scheduler.groups_per_step=2",
              "--set", "sampling.max_new_tokens=48", "--set", "eval.max_concurrent=6"]
     summary, console = run_job(out, "--config", "examples/tasks/command.toml", "--set", "run.max_wall_s=600.0",
-                               *small, timeout=840)
+                               "--set", f"model.dir={model}", *small, timeout=840)
     assert summary["status"] == "ok" and summary["steps"] == 2
+    kept = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert (kept["model_type"], kept["architectures"]) == ("llama", ["LlamaForCausalLM"])
     ex = summary["executions"]
     assert_accounted(ex)
     eval_tasks = len((ROOT / "examples" / "tasks" / "eval.jsonl").read_text().splitlines())
