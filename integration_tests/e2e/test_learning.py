@@ -109,28 +109,14 @@ def test_a_run_learns_the_digits_task_and_a_later_run_starts_from_its_checkpoint
 def _run_killing_the_satellite(cfg: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Run ``cfg``, SIGKILLing the satellite's rank once it has joined step ``KILL_AT``."""
     from gyre_core.orchestrator.embedded import run_live
-    from gyre_megatron.testing import rank_store, strike_once_joined
+    from gyre_megatron.testing import kill_once_joined
 
-    parts: dict[str, Any] = {}
-    killed: dict[str, Any] = {}
-
-    async def kill_satellite_once_joined() -> None:
-        orch = parts["orchestrator"]
-        world = orch.cells[1].training.world
+    def kill(world: Any) -> dict[str, Any]:
         pid = world.procs[1].pid
-        claimed = await strike_once_joined(rank_store(world.port), KILL_AT, 1, lambda: os.kill(pid, signal.SIGKILL))
-        killed.update(pid=pid, at=orch.now(), claimed=claimed)
+        os.kill(pid, signal.SIGKILL)
+        return {"pid": pid}
 
-    async def killer() -> None:
-        try:
-            await kill_satellite_once_joined()
-        except Exception as e:  # seen in the assertion below, not lost in a task
-            killed["error"] = f"{type(e).__name__}: {e}"
-
-    def on_started(p: dict[str, Any]) -> None:
-        parts.update(p)
-        parts["killer"] = p["loop"].create_task(killer())
-
+    on_started, parts, killed = kill_once_joined(KILL_AT, 1, kill)
     summary = run_live(cfg, lambda m: None, on_started=on_started)
     print(f"killed {killed}; satellite failures {summary['satellite_failures']}; "
           f"steps {[(r['step'], r['cells'], r['micro_steps'], r['duration_s']) for r in summary['step_records']]}")

@@ -69,7 +69,7 @@ def two_nodes():
 def test_ray_placed_cells_run_the_job_and_survive_a_killed_rank(tmp_path: Path, two_nodes) -> None:
     from gyre_core.orchestrator.embedded import run_live
     from gyre_core.orchestrator.run_config import load_run_config
-    from gyre_megatron.testing import rank_store, strike_once_joined
+    from gyre_megatron.testing import kill_once_joined
 
     out = tmp_path / "run"
     cfg = load_run_config(SMALL_JOB, {
@@ -79,31 +79,21 @@ def test_ray_placed_cells_run_the_job_and_survive_a_killed_rank(tmp_path: Path, 
         "dataplane.token_budget": 512, "training.collective_timeout_s": 5.0,
         "cluster.launcher": '"ray"', "cluster.ray_address": f'"{two_nodes.address}"',
         "cluster.ray_resources_per_rank": "{gyre_slot = 1}", "cluster.join_timeout_s": 180.0})
-    parts: dict[str, Any] = {}
-    killed: dict[str, Any] = {}
     placed: dict[str, Any] = {}
 
-    async def kill_satellite_once_joined() -> None:
-        world = parts["orchestrator"].cells[1].training.world
+    def kill(world: Any) -> dict[str, Any]:  # where everything ran, then the satellite's rank actor
         placed.update(info=list(world.info), bundles=[world.bundle_nodes(c) for c in range(2)],
                       engines={c: e.node for c, e in world.engines.items()})
-        claimed = await strike_once_joined(rank_store(world.port), KILL_AT, 1, lambda: world.kill_rank(1))
-        killed.update(at=parts["orchestrator"].now(), claimed=claimed)
+        world.kill_rank(1)
+        return {}
 
-    async def killer() -> None:
-        try:
-            await kill_satellite_once_joined()
-        except Exception as e:  # seen in the assertion below, not lost in a task
-            killed["error"] = f"{type(e).__name__}: {e}"
-
-    def on_started(p: dict[str, Any]) -> None:
-        parts.update(p)
-        parts["killer"] = p["loop"].create_task(killer())
+    on_started, parts, killed = kill_once_joined(KILL_AT, 1, kill)
 
     summary = run_live(cfg, on_started=on_started)
     print(f"\nkilled {killed}; satellite failures {summary['satellite_failures']}; "
           f"steps {[(r['step'], r['cells'], r['micro_steps'], r['duration_s']) for r in summary['step_records']]}")
 
+    assert killed and "error" not in killed, f"the satellite never joined step {KILL_AT} ({killed})"
     # placement: each rank where its cell's group was reserved, the cells on different nodes,
     # each engine on its cell's node
     info, bundles = placed["info"], placed["bundles"]
@@ -112,7 +102,6 @@ def test_ray_placed_cells_run_the_job_and_survive_a_killed_rank(tmp_path: Path, 
     assert placed["engines"] == {0: bundles[0][0], 1: bundles[1][0]}
 
     # the killed actor: reported by cell and rank, the step finished on the core
-    assert killed and "error" not in killed, f"the satellite never joined step {KILL_AT} ({killed})"
     (failure,) = summary["satellite_failures"]
     assert failure["step"] == KILL_AT and failure["cells"] == [1] and failure["survivors"] == [0], failure
     assert "rank 1 (cell 1) actor died" in failure["error"] or failure["restarted"], failure

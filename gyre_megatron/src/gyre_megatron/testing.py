@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["build_checkpoint", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "start_torchrun_nodes",
+__all__ = ["build_checkpoint", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "kill_once_joined", "start_torchrun_nodes",
            "stop_nodes", "strike_once_joined", "wait_claimed"]
 
 
@@ -164,6 +164,34 @@ async def strike_once_joined(store: Any, step: int, cell: int, strike: Any, time
             strike()
             return store.get(claimed).decode() if store.check([claimed]) else ""
     raise TimeoutError(f"cell {cell} did not join step {step} within {timeout_s:.0f} s")
+
+
+def kill_once_joined(step: int, cell: int, kill: Callable[[Any], dict[str, Any]]
+                     ) -> tuple[Callable[[dict[str, Any]], None], dict[str, Any], dict[str, Any]]:
+    """A live run's ``on_started`` (:func:`gyre_core.orchestrator.embedded.run_live`) that calls
+    ``kill(world)`` once cell ``cell`` has joined step ``step`` (:func:`strike_once_joined`).
+
+    Returns ``(on_started, parts, killed)``: ``parts`` is what the run handed ``on_started``;
+    ``killed`` holds what ``kill`` returned, ``at`` (the orchestrator's clock) and ``claimed``, or
+    ``error`` when the strike never came (kept for the test's assertion, not lost in a task)."""
+    parts: dict[str, Any] = {}
+    killed: dict[str, Any] = {}
+
+    async def strike() -> None:
+        try:
+            orch = parts["orchestrator"]
+            world = orch.cells[cell].training.world
+            claimed = await strike_once_joined(rank_store(world.port), step, cell,
+                                               lambda: killed.update(kill(world)))
+            killed.update(at=orch.now(), claimed=claimed)
+        except Exception as e:
+            killed["error"] = f"{type(e).__name__}: {e}"
+
+    def on_started(p: dict[str, Any]) -> None:
+        parts.update(p)
+        parts["killer"] = p["loop"].create_task(strike())
+
+    return on_started, parts, killed
 
 
 def free_port() -> int:

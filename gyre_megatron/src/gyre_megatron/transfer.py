@@ -57,7 +57,7 @@ class SatelliteWeights:
     def release(self) -> None:
         """End the window: the core's exposed copy and a satellite's staging buffer are
         unregistered and freed."""
-        self._exposed.release_older_than(1 << 62)
+        self._exposed.close()
         self._puller.close()
 
     def expose(self, key: str, step: int, tensors: Sequence[torch.Tensor]) -> None:
