@@ -61,6 +61,9 @@ timeout_s = {timeout}
 overall_budget_s = {budget}
 replay_calls = 2
 
+[serving]
+max_total_tokens = {kv_tokens}
+
 [sampling]
 temperature = 1.0
 max_new_tokens = 16
@@ -150,7 +153,10 @@ def main() -> int:
         limit_h = a.harness_timeout_h
     timeout = round(limit_h * 3600 * a.time_scale, 2)
     config = root / "race.toml"
-    config.write_text(CONFIG.format(hidden=a.hidden, layers=a.layers, cells=a.cells, capacity=a.capacity, n=a.n,
+    # each engine's KV pool holds a full cell of replayed contexts at once (a row is at most one
+    # 2 048-token micro-step), so a large C_e measures the schedule, not SGLang queueing for KV room
+    kv_tokens = max(16384, a.capacity * 2048)
+    config.write_text(CONFIG.format(kv_tokens=kv_tokens, hidden=a.hidden, layers=a.layers, cells=a.cells, capacity=a.capacity, n=a.n,
                                     b=a.b, steps=a.steps, seed=a.seed, max_wall=a.max_wall_s, trace=trace,
                                     scale=a.time_scale, token_scale=a.token_scale, timeout=timeout, budget=round(timeout * 1.0625, 2)))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]

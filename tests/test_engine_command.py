@@ -69,3 +69,27 @@ def test_sglang_accepts_the_placement_flags() -> None:
     known = parser.parse_args(["--model-path", "m", "--base-gpu-id", "4", "--tp-size", "2", "--enable-memory-saver",
                                "--enable-weights-cpu-backup"])
     assert (known.base_gpu_id, known.tp_size, known.enable_memory_saver, known.enable_weights_cpu_backup) == (4, 2, True, True)
+
+
+def test_a_cpu_engine_stops_without_sglangs_gpu_crash_diagnostics(tmp_path, monkeypatch) -> None:
+    """Stopping a server ends its scheduler first, which SGLang takes for a crash: it would sleep
+    5 s before a CUDA core dump and a py-spy dump. On a machine with neither, both are off in the
+    server's environment (the stop takes 0.7 s, not 5.5 s); a user's own setting wins, and a
+    machine with py-spy keeps its dump."""
+    import gyre_sglang.server as server_module
+
+    monkeypatch.setattr(server_module, "_cuda_available", lambda: False)
+    monkeypatch.setattr(server_module.shutil, "which", lambda name: None)
+    for name in ("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "SGLANG_PYSPY_DUMP_BEFORE_CRASH"):
+        monkeypatch.delenv(name, raising=False)
+    env = SGLangServer(tmp_path).environment(str(tmp_path))
+    assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "0"
+
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
+    assert SGLangServer(tmp_path).environment(str(tmp_path))["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    given = SGLangServer(tmp_path, env={"SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "1"}).environment(str(tmp_path))
+    assert given["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "1"
+
+    monkeypatch.delenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH")
+    monkeypatch.setattr(server_module.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert "SGLANG_PYSPY_DUMP_BEFORE_CRASH" not in SGLangServer(tmp_path).environment(str(tmp_path))

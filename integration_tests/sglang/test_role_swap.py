@@ -9,7 +9,6 @@ import pytest
 
 from gyre_core.interfaces import EngineError, PhaseTiming, WeightsRef
 
-from gyre_sglang.testing import start_sglang_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(400)]
 
@@ -17,11 +16,10 @@ LONG = {"max_new_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def swap_server(tiny_model_dir, tmp_path_factory):
-    """Its own server: this module closes intake, aborts everything and changes the weights."""
-    server = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("swap-logs"), "swap")
-    yield server
-    server.stop()
+def swap_server(changeable_sglang_server):
+    """Not the shared server: this module closes intake, aborts everything and reloads the weights
+    (the tiny model's own, so it leaves the server as it found it)."""
+    return changeable_sglang_server
 
 
 def test_to_training_then_back_to_rollout(swap_server, tiny_model_dir):

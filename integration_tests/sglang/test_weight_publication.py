@@ -38,16 +38,14 @@ SERVING_DTYPE = torch.float16
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from gyre_sglang.testing import start_sglang_server
-    from gyre_sglang.weight_publication import LOADER
+def server(changeable_sglang_server: Any, base_weights: dict[str, Any]) -> Iterator[Any]:
+    """The session's changeable server (this module loads other weights), given back serving the
+    base weights."""
+    yield changeable_sglang_server
+    from gyre_sglang.weight_publication import WeightPublisher
 
-    s = start_sglang_server(tiny_model_dir, tmp_path_factory.mktemp("wp-logs"), "weight-publication",
-                            extra_args=["--custom-weight-loader", LOADER, "--dtype", "float16"])
-    try:
-        yield s
-    finally:
-        s.stop()
+    with WeightPublisher("127.0.0.1") as p:
+        load(changeable_sglang_server, p.publish(0, base_weights))
 
 
 @pytest.fixture(scope="module")
