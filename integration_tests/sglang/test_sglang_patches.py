@@ -70,3 +70,9 @@ def test_site_hook_installs_stand_ins_only_when_asked():
     assert "scalar_type-absent" in on.stdout
     assert "torchvision-for-transformers=False" in on.stdout
     assert "fallback=MockScalarTypes" in on.stdout
+
+    # multiprocessing's resource tracker (one per server) runs no SGLang code: no patch, no torch
+    tracker = run_py("from multiprocessing.resource_tracker import main\n"
+                     "import sys; print('torch' in sys.modules, 'sgl_kernel' in sys.modules)",
+                     PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH="1")
+    assert tracker.returncode == 0 and tracker.stdout.split() == ["False", "False"], tracker.stderr
