@@ -89,21 +89,36 @@ def test_registered_memory_is_readable_once_registered_and_gone_once_released() 
     landing.release_all()
 
 
-@pytest.mark.mooncake
-def test_a_satellite_pulls_the_cores_parameters_verified_and_shares_the_ranks_engine() -> None:
-    """The satellite pull over the publication's format: a core exposes its parameters (a copy,
-    so later updates do not tear the read), the satellite pulls them exactly; a torn buffer, a
-    layout or a shape of its own are refused before any parameter is touched; the rank's
-    publication and its satellite exposure share one Mooncake engine; released, nothing is read."""
-    pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda)")
+@pytest.mark.parametrize("transport", [pytest.param("mooncake", marks=pytest.mark.mooncake), "disk"])
+def test_a_satellite_pulls_the_cores_parameters_verified_through_either_transport(transport: str, tmp_path) -> None:
+    """The satellite pull through the run's weight transport (``publication.transport``): a core
+    exposes its parameters (a copy, so later updates do not tear the read), the satellite pulls
+    them exactly; a torn part, a layout or a dtype of its own are refused before any parameter is
+    touched; released, nothing is read. Over Mooncake the rank's publication and its satellite
+    exposure share one engine."""
     import torch
     import torch.distributed as dist
 
-    from gyre_core.published_weights import WeightPublisher
+    from gyre_core.weight_parts import DiskParts, MooncakeParts
     from gyre_megatron.transfer import SatelliteWeights
 
     store = dist.HashStore()
-    core, satellite = SatelliteWeights(store), SatelliteWeights(store)
+    if transport == "mooncake":
+        pytest.importorskip("mooncake.engine", reason="Mooncake (mooncake-transfer-engine-non-cuda)")
+        from gyre_core.transfer_endpoint import MooncakeEndpoint, start_transfer_engine
+
+        endpoint, engines = MooncakeEndpoint("127.0.0.1"), {}
+
+        def rank_engine() -> object:  # one engine per rank, made on first use
+            if "e" not in engines:
+                engines["e"] = start_transfer_engine(endpoint)
+            return engines["e"]
+
+        core_parts = MooncakeParts(endpoint, engine=rank_engine)
+        core, satellite = SatelliteWeights(store, core_parts), SatelliteWeights(store, MooncakeParts(endpoint))
+    else:
+        core_parts = DiskParts(tmp_path / "satellite")
+        core, satellite = SatelliteWeights(store, core_parts), SatelliteWeights(store, DiskParts(tmp_path / "satellite"))
     params = [torch.randn(3, 5), torch.arange(7, dtype=torch.float32), torch.randn(2, 2, dtype=torch.float64)]
     core.expose("gyre/step4/w0", 4, params)
     snapshot = [p.clone() for p in params]
@@ -112,20 +127,33 @@ def test_a_satellite_pulls_the_cores_parameters_verified_and_shares_the_ranks_en
     nbytes, secs = satellite.pull("gyre/step4/w0", mine)
     assert nbytes == sum(p.numel() * p.element_size() for p in params) and secs >= 0
     assert all(torch.equal(a, b) for a, b in zip(mine, snapshot))
-    assert satellite.last_peer == f"{core.endpoint.host}:{core.engine.get_rpc_port()}"
 
     untouched = [torch.zeros_like(p) for p in params]
     with pytest.raises(RuntimeError, match="layout mismatch"):
         satellite.pull("gyre/step4/w0", untouched[:2])
     with pytest.raises(RuntimeError, match="tensor 2: exposed torch.float64"):
         satellite.pull("gyre/step4/w0", untouched[:2] + [torch.zeros(2, 2)])
-    core._exposed.buffer(4)[0] ^= 0xFF  # a torn read: the CRC32 no longer matches
-    with pytest.raises(RuntimeError, match="CRC32 mismatch"):
+    if transport == "mooncake":
+        assert satellite.last_peer == f"{endpoint.host}:{rank_engine().get_rpc_port()}"
+        publication = MooncakeParts(endpoint, engine=rank_engine)
+        publication.put(1, {"w": torch.ones(2)})
+        assert publication.publisher.engine is core_parts.publisher.engine  # one engine per rank for both
+        publication.close()
+        core_parts.publisher.buffer(4)[0] ^= 0xFF  # a torn read: the CRC32 no longer matches
+        torn, gone = "CRC32 mismatch", "failed"
+    else:
+        (part,) = (tmp_path / "satellite" / "v4").iterdir()
+        assert satellite.last_peer == str(part)
+        raw = bytearray(part.read_bytes())
+        raw[-1] ^= 0xFF  # a file overwritten in place under the reader
+        part.write_bytes(bytes(raw))
+        torn, gone = "does not match its location", "was released"
+    with pytest.raises(RuntimeError, match=torn):
         satellite.pull("gyre/step4/w0", untouched)
     assert all(not t.any() for t in untouched)
 
-    publisher = WeightPublisher(core.endpoint, engine=lambda: core.engine)
-    assert publisher.engine is core.engine  # one engine per rank for both
     core.release()
-    with pytest.raises(RuntimeError, match="failed"):
+    with pytest.raises(RuntimeError, match=gone):
         satellite.pull("gyre/step4/w0", mine)
+    if transport == "disk":
+        assert not (tmp_path / "satellite" / "v4").exists()  # released: the core's files went

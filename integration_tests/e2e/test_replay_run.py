@@ -7,7 +7,8 @@ model calls through the TITO proxy (the policy's own replies fed back) with tool
 them, and a tool result that grows its context to the recorded tokens at token scale 0.2 (~300). 16 executions run at once on a core and one satellite and end in one cluster: the core
 starts the step on the first finished groups while the satellite serves the rest, and once nothing
 is left to serve (w = 0, rule 5 with K = 2 and no pool) the satellite joins the running step.
-Checked: the join (mid-step, and it trained), the replayed outcomes scored by the digits task's
+Checked: the join (mid-step, and it trained; over the disk transport, as every publication of
+this run), the replayed outcomes scored by the digits task's
 evaluator (a recorded failure is a reward of 0, never a missing one), and every execution
 accounted for.
 """
@@ -58,6 +59,8 @@ token_scale = {token_scale}
 token_budget = 512
 [sampling]
 max_new_tokens = 32
+[publication]
+transport = "disk"      # the files path, live: publications and the satellite's pulls alike
 """
 
 
@@ -90,6 +93,16 @@ def test_a_replayed_workload_trains_and_a_satellite_joins_a_running_step(tmp_pat
         rec = next(r for r in summary["step_records"] if r["step"] == j["step"])
         assert j["cell"] == 1 and rec["started_s"] < j["at_s"] < rec["ended_s"] and j["trained"]
         assert 1 in rec["cells"] and rec["tokens"] > 0 and rec["grad_norm"] > 0
+
+    # publication.transport = "disk": each version reached the engines as files, and the satellite
+    # pulled the core's parameters from a file as well (one seam, gyre_core.weight_parts), which
+    # the core removed once the step's window closed
+    assert [p["transport"] for p in summary["publications"]] == ["disk"] * STEPS
+    assert sorted(d.name for d in (out / "weights").iterdir()) == ["satellite", *[f"v{v}" for v in range(STEPS + 1)]]
+    satellite = (out / "weights" / "satellite").resolve()
+    pulls = [k for r in summary["step_records"] for k in r["joins"] if k.get("pull_bytes")]
+    assert pulls and all(k["pull_from"].startswith(f"{satellite}/") for k in pulls), pulls
+    assert not list(satellite.rglob("*.safetensors*"))
 
     # every execution accounted for, each one not trained with its cause; each step took B groups
     # of N, and each of their executions was trained unless its assessment was excluded (on a slow

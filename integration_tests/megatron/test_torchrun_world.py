@@ -42,7 +42,8 @@ def torchrun_sides(tmp_path_factory):
     opts = TrainingOptions(
         cells=2, pp=1, lr=1e-3, data_timeout_s=10.0, side_timeout_s=10.0, heartbeat_s=0.3, max_steps=4,
         step_timeout_s=120,
-        publication=PublicationOptions(folder=str(tmp / "weights"), mooncake=MooncakeOptions(peer="127.0.0.1")),
+        publication=PublicationOptions(transport="mooncake", folder=str(tmp / "weights"),
+                                       mooncake=MooncakeOptions(peer="127.0.0.1")),
         launch=LaunchOptions(launcher="torchrun", control_host="127.0.0.1", control_port=port,
                              key_file=str(key_file), join_timeout_s=180))
     try:

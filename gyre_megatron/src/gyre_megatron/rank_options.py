@@ -40,6 +40,12 @@ class RankOptions:
     mooncake: MooncakeOptions = MooncakeOptions()
     """Each rank's Mooncake endpoint for satellite joins (an empty ``host``: every rank advertises
     its own node's address, see :func:`gyre_core.transfer_endpoint.advertised_host`)."""
+    weights_transport: str = "mooncake"
+    """How a joining satellite pulls the core's parameters (:mod:`gyre_core.weight_parts`): the
+    run's ``publication.transport``, ``mooncake`` or ``disk``."""
+    weights_folder: str = ""
+    """``disk``: the run's weight folder (``publication.folder``, seen by every node); the core
+    puts its parameters under its ``satellite/`` for the step's joins."""
     log_dir: str = ""
     """A folder for ``rank<N>.log``: a rank the orchestrator spawns writes its stdout and stderr
     there (upstream notices, native logs), as each engine does to ``engine<N>.log``. Empty: the

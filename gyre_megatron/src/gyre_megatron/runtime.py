@@ -111,8 +111,10 @@ class CellRank(RankChecks):
         self.version = 0 if self.is_core else -1
         """Policy version this cell's parameters hold (``step`` before an update, ``step+1`` after);
         a satellite starts unknown (-1), so its first join always pulls."""
+        self._endpoint: Any = None
+        self._engine: Any = None
         self._satellite_weights: Any = None
-        self._publisher: Any = None
+        self._publication_parts: Any = None
         self._parts: set[int] = set()
         """Versions whose part this rank published and still exposes (every shard keeps the set)."""
         self._saved: Any = None
@@ -167,15 +169,11 @@ class CellRank(RankChecks):
         return [p.data for p in self.ddp.module.parameters()]
 
     @property
-    def satellite_weights(self) -> Any:
-        if self._satellite_weights is None:
-            from gyre_core.transfer_endpoint import (
-                WILDCARDS,
-                MooncakeEndpoint,
-                advertised_host,
-            )
-
-            from gyre_megatron.transfer import SatelliteWeights
+    def mooncake_endpoint(self) -> Any:
+        """Where this rank's Mooncake engine listens: the address of its own node that the other
+        ranks and the engines reach."""
+        if self._endpoint is None:
+            from gyre_core.transfer_endpoint import WILDCARDS, MooncakeEndpoint, advertised_host
 
             m = self.opts.mooncake
             # the address of this rank's node toward the orchestrator (a wildcard control host
@@ -183,7 +181,37 @@ class CellRank(RankChecks):
             peer = m.peer if m.peer not in WILDCARDS else None
             dialed = os.environ.get("GYRE_CONTROL", "").rpartition(":")[0]
             host = m.host or advertised_host(peer or dialed or os.environ.get("MASTER_ADDR"))
-            self._satellite_weights = SatelliteWeights(self.store, MooncakeEndpoint(host, m.protocol, m.device))
+            self._endpoint = MooncakeEndpoint(host, m.protocol, m.device)
+        return self._endpoint
+
+    @property
+    def mooncake_engine(self) -> Any:
+        """This rank's one Mooncake engine, shared by its publication parts and its satellite
+        exposure (created on first use: init takes milliseconds)."""
+        if self._engine is None:
+            from gyre_core.transfer_endpoint import start_transfer_engine
+
+            self._engine = start_transfer_engine(self.mooncake_endpoint)
+        return self._engine
+
+    def _mooncake_parts(self) -> Any:
+        from gyre_core.weight_parts import MooncakeParts
+
+        return MooncakeParts(self.mooncake_endpoint, engine=lambda: self.mooncake_engine)
+
+    @property
+    def satellite_weights(self) -> Any:
+        """The satellite pull, through the run's weight transport (``publication.transport``)."""
+        if self._satellite_weights is None:
+            from gyre_megatron.transfer import SatelliteWeights
+
+            if self.opts.weights_transport == "disk":
+                from gyre_core.weight_parts import DiskParts
+
+                parts: Any = DiskParts(os.path.join(self.opts.weights_folder, "satellite"))
+            else:
+                parts = self._mooncake_parts()
+            self._satellite_weights = SatelliteWeights(self.store, parts)
         return self._satellite_weights
 
     def _shape_of(self, item: Any) -> list[tuple[int, ...]]:
@@ -290,14 +318,12 @@ class CellRank(RankChecks):
 
     # ------------------------------------------------------------------ publication (§5)
     @property
-    def publisher(self) -> Any:
-        """This rank's part of each published version, registered for engines to read
-        (:mod:`gyre_core.published_weights`); on the rank's own Mooncake endpoint."""
-        if self._publisher is None:
-            from gyre_core.published_weights import WeightPublisher
-
-            self._publisher = WeightPublisher(self.satellite_weights.endpoint, engine=lambda: self.satellite_weights.engine)
-        return self._publisher
+    def publication_parts(self) -> Any:
+        """This rank's part of each version published over Mooncake, put for the engines to pull
+        (:mod:`gyre_core.weight_parts`); on the rank's own Mooncake engine."""
+        if self._publication_parts is None:
+            self._publication_parts = self._mooncake_parts()
+        return self._publication_parts
 
     def _weights_now(self, copy: bool = True) -> dict[str, torch.Tensor]:
         # offloaded (Colocate publishes after the pool left training): read the host copy
@@ -315,19 +341,21 @@ class CellRank(RankChecks):
         self._parts.add(version)  # on every shard: write_part must take the same branch on all
         if not tensors:
             return None
-        return self.publisher.publish(version, tensors, partial=True).location
+        return str(self.publication_parts.put(version, tensors))
 
     def close_publication(self) -> None:
         """Unregister every part this rank still exposes and drop its Mooncake engine (exit)."""
         self._parts.clear()
-        if self._publisher is not None:
-            self._publisher.close()
-            self._publisher = None
+        if self._satellite_weights is not None:
+            self._satellite_weights.release()
+        if self._publication_parts is not None:
+            self._publication_parts.close()
+            self._publication_parts = None
 
     def release_parts_older_than(self, version: int) -> None:
         self._parts = {v for v in self._parts if v >= version}
-        if self._publisher is not None:
-            self._publisher.release_older_than(version)
+        if self._publication_parts is not None:
+            self._publication_parts.release_older_than(version)
 
     def write_part(self, version: int, folder: str) -> dict[str, Any]:
         """Core: write this stage's part of policy ``version`` as its weight file in ``folder``
@@ -341,7 +369,8 @@ class CellRank(RankChecks):
         from gyre_megatron.export import shard_file
 
         if version in self._parts:
-            tensors = self._publisher.tensors(version) if self._publisher is not None else {}
+            parts = self._publication_parts
+            tensors = parts.publisher.tensors(version) if parts is not None else {}
         else:
             tensors = self._weights_now()
         if not tensors:

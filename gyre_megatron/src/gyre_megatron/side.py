@@ -52,6 +52,7 @@ def _world_for(options: TrainingOptions) -> Any:
                 heartbeat_s=options.heartbeat_s, normalise_by_tokens=options.normalise_by_tokens,
                 init_from=options.init_from, objective=options.objective,
                 mooncake=options.publication.mooncake, log_dir=options.log_dir,
+                weights_transport=options.publication.transport, weights_folder=options.publication.folder,
             )
             launch = options.launch
             if launch.launcher == "local":
