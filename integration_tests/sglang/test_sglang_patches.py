@@ -76,3 +76,17 @@ def test_site_hook_installs_stand_ins_only_when_asked():
                      "import sys; print('torch' in sys.modules, 'sgl_kernel' in sys.modules)",
                      PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH="1")
     assert tracker.returncode == 0 and tracker.stdout.split() == ["False", "False"], tracker.stderr
+
+
+def test_a_cpu_server_forks_its_subprocesses_unless_told_to_spawn():
+    """SGLang's launcher asks for ``spawn`` (for CUDA); a CPU server forks instead, so its scheduler
+    and detokenizer do not import torch and SGLang again. ``GYRE_SGLANG_CPU_SPAWN=1`` keeps spawn,
+    and without the patch nothing changes."""
+    site = str(cpu_patch_site())
+    probe = ("import multiprocessing as mp\n"
+             "mp.set_start_method('spawn', force=True); a = mp.get_start_method()\n"
+             "mp.set_start_method('forkserver', force=True); print(a, mp.get_start_method())")
+    assert run_py(probe, PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH="1").stdout.split() == ["fork", "forkserver"]
+    assert run_py(probe, PYTHONPATH=site, GYRE_SGLANG_CPU_PATCH="1",
+                  GYRE_SGLANG_CPU_SPAWN="1").stdout.split() == ["spawn", "forkserver"]
+    assert run_py(probe, PYTHONPATH=site).stdout.split() == ["spawn", "forkserver"]
