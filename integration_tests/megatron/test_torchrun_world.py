@@ -85,14 +85,18 @@ def test_torchrun_ranks_train_a_joined_step(torchrun_sides) -> None:
 
 
 def test_export_from_torchrun_ranks_matches_their_logits(torchrun_sides) -> None:
-    """The published checkpoint, assembled from tensors that crossed the control plane by value,
+    """Version 1, published over Mooncake (this run's transport) and then written as a checkpoint
+    from the bytes still exposed, assembled from tensors that crossed the control plane by value,
     is the model the ranks hold: HF Qwen2 on it gives the core's logits."""
+    import json
+
     import torch
 
     from gyre_megatron.export import load_hf_model
 
-    s0, _, _, _ = torchrun_sides
-    ref = s0.publish_weights(1)
+    s0, _, _, tmp = torchrun_sides
+    assert json.loads(s0.publish_weights(1).location)["format"] == "gyre.mooncake.parts.v1"
+    ref = s0.write_weights(1, str(tmp / "written" / "v1"))
     tokens = make_items(1, seed=5)[0]["tokens"]
     (mlogits,) = s0.world.call([0], "logits", tokens)
     with torch.no_grad():
