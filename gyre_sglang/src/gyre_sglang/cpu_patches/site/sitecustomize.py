@@ -8,8 +8,9 @@ which runs no SGLang code: applying the patch there (torch, SGLang's stubs, tran
 
 A CPU server also starts its scheduler and detokenizer by ``fork``, not SGLang's ``spawn``: spawn
 is there because a CUDA context cannot cross a fork, and a CPU engine has none, while each spawned
-process imports torch and SGLang again (5-7 s of CPU each; an engine started in ~19 s, 17 s of
-CPU, and starts in ~12 s, 11 s of CPU, forked). ``GYRE_SGLANG_CPU_SPAWN=1`` keeps spawn.
+process imports torch and SGLang again (5-7 s of CPU each: an engine starts in ~18 s, 16.5 s of
+CPU, spawned, and in ~13.5 s, 10.6 s of CPU, forked; ``benchmarks/sglang_engine_start.py``).
+``GYRE_SGLANG_CPU_SPAWN=1`` keeps spawn.
 """
 
 import os
