@@ -48,14 +48,11 @@ def _fork_instead_of_spawn() -> None:
     starts its subprocesses; on CPU that request becomes ``fork`` (other methods pass through)."""
     import multiprocessing
 
-    if getattr(multiprocessing.set_start_method, "_gyre_fork", False):
-        return
     real = multiprocessing.set_start_method
 
     def set_start_method(method: "str | None", force: bool = False) -> None:
         real("fork" if method == "spawn" else method, force=force)
 
-    set_start_method._gyre_fork = True  # type: ignore[attr-defined]
     multiprocessing.set_start_method = set_start_method
 
 
