@@ -22,13 +22,31 @@ satellite's rank dying mid-step, and the run going on: Colocate with two cells, 
 the micro-steps the dead rank had claimed streamed again; every training process is then started
 anew with the core's state, and cell 1 joins step 2, pulling the core's weights. Every finished
 execution is accounted for and each step trains N·B.
+
+A third run trains the ``lookup`` task (``benchmarks/lookup/``: the reward needs the prompt and a
+tool result) from its warm start, 3 steps of 64 executions, on-policy, keeping every version as a
+model folder. It checks what a short run can show without luck. Each step's update must raise the
+log-probs of the executions its rewards favoured against the rest of their group: the statistic
+Σ (r − mean of the group's r) · Δ (Δ: the per-token mean log-prob change from the version that
+served the execution to the next, computed by HF on the run's token records) is compared with
+the same sum under 2,000 shufflings of the rewards within each group, and must beat all but a
+handful (p < 0.005; measured p ≤ 0.0006 for each step alone). A wrong sign, rewards paired with the
+wrong executions, or an update that ignores them fails it. And the records are exact: the engine's
+recorded log-prob of every trained token is HF's under the published version that served it.
+Whether the held-out pass rate rises is a longer measurement (``benchmarks/learning_curve.py``,
+20 steps, three seeds): after 4 steps it moved by +0.021, +0.004 and −0.019 on three seeds
+(importance-sampled, ±0.003-0.004 each), so a short run cannot assert it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +56,7 @@ import torch
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.megatron, pytest.mark.timeout(1200)]
 
 SMALL_JOB = Path(__file__).with_name("small-job.toml")  # the embedded job at test sizes
+LOOKUP = Path(__file__).resolve().parents[2] / "benchmarks" / "lookup"
 pytest.importorskip("sglang")
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
@@ -153,3 +172,79 @@ def _assert_the_run_survived_its_dead_satellite(summary: dict[str, Any], parts: 
     world = parts["orchestrator"].cells[0].training.world
     assert world.restarts == 1 and killed["pid"] not in [p.pid for p in world.procs]
     assert not any(p.is_alive() for p in world.procs)  # the run's end stopped every rank it started
+
+
+LOOKUP_STEPS, PERMUTATIONS = 3, 2000
+
+
+def test_each_step_on_the_lookup_task_favours_its_rewarded_executions_on_exact_records(tmp_path: Path) -> None:
+    from gyre_core.orchestrator.embedded import run_live
+    from gyre_core.orchestrator.journal import read_journal, selected_from_json, tree_from_json
+    from gyre_core.orchestrator.run_config import load_run_config
+    from gyre_core.testing import assert_accounted
+    from gyre_core.trajectory import TrajectoryRow
+
+    start = tmp_path / "start"  # the warm start: SFT on demonstrations of pairs RL never sees (~15 s)
+    subprocess.run([sys.executable, str(LOOKUP / "warm_start.py"), "--out", str(start)], check=True,
+                   capture_output=True, timeout=600)
+    out = tmp_path / "lookup"
+    cfg = load_run_config(LOOKUP / "job.toml", {
+        "task.train": str(LOOKUP / "train.jsonl"), "task.eval": str(LOOKUP / "eval.jsonl"),
+        "task.reward": f"{LOOKUP / 'reward.py'}:score",
+        "harness.command": [sys.executable, str(LOOKUP / "agent.py"), "{task}"],
+        "model.dir": str(start), "run.out_dir": str(out), "run.steps": LOOKUP_STEPS,
+        "eval.interval": 0, "eval.before_train": False, "checkpoint.hf_interval": 1})
+    summary = run_live(cfg, lambda m: None)
+    assert summary["status"] == "ok" and summary["steps"] == LOOKUP_STEPS, summary["status"]
+    per_step = cfg.scheduler.group_size * cfg.scheduler.groups_per_step
+    assert_accounted(summary["executions"])
+    assert summary["executions"]["trained"] == LOOKUP_STEPS * per_step
+
+    # which step trained each group, and which version served it (on-policy: the same)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    step_of = {e["group_id"]: e["step"] for e in events if e.get("command") == "AssignGroup"}
+    served = {e["group_id"]: e["version"] for e in events if e.get("command") == "DispatchGroup"}
+    versions = [out / "weights" / "v0"] + [out / "hf" / f"step{k}" for k in range(1, LOOKUP_STEPS)] + [out / "checkpoint"]
+    models = [transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval() for d in versions]
+
+    journal = list(read_journal(out / "journal.jsonl"))
+    reward = {r["execution_id"]: (r["group"], r["reward"]) for r in journal if r["kind"] == "scored"}
+    rows: list[tuple[int, float, float]] = []  # (group, reward, per-token mean log-prob change)
+    worst = 0.0
+    with torch.no_grad():
+        for rec in journal:
+            if rec["kind"] != "trajectory" or rec["execution_id"] not in reward:
+                continue
+            group, r = reward[rec["execution_id"]]
+            if group not in step_of:
+                continue  # finished after the last step took its groups: not trained
+            k = step_of[group]
+            assert served[group] == k, (group, served[group], k)
+            (sel,) = selected_from_json(rec["selected"])
+            row = TrajectoryRow.from_tree(tree_from_json(rec["tree"]), sel, group)
+            ids, mask = row.token_ids[None], row.loss_mask[1:]
+            lp = [torch.log_softmax(m(input_ids=ids).logits[0, :-1].double(), -1)
+                  .gather(1, ids[0, 1:, None])[:, 0][mask] for m in (models[k], models[k + 1])]
+            worst = max(worst, float((lp[0] - row.behaviour_logprobs[1:][mask].double()).abs().max()))
+            rows.append((group, float(r), float((lp[1] - lp[0]).mean())))
+    assert len(rows) == LOOKUP_STEPS * per_step, len(rows)
+    assert worst < 1e-3, f"an engine's recorded log-prob is {worst} off HF's under the version that served it"
+
+    by_group: dict[int, list[float]] = {}
+    for g, r, _ in rows:
+        by_group.setdefault(g, []).append(r)
+    mean = {g: sum(v) / len(v) for g, v in by_group.items()}
+
+    def alignment(rewards: list[float]) -> float:
+        return sum((r - mean[g]) * d for (g, _, d), r in zip(rows, rewards))
+
+    observed = alignment([r for _, r, _ in rows])
+    rng = random.Random(0)
+    beaten_by = 0
+    for _ in range(PERMUTATIONS):
+        shuffled = {g: iter(rng.sample(v, len(v))) for g, v in by_group.items()}
+        beaten_by += alignment([next(shuffled[g]) for g, _, _ in rows]) >= observed
+    p = (1 + beaten_by) / (1 + PERMUTATIONS)
+    print(f"\nlookup: {len(rows)} trained executions, rewards {summary['rewards']}; alignment {observed:.4f}, "
+          f"permutation p {p:.4f}; engine vs HF log-probs at most {worst:.2e}")
+    assert p < 0.005, (observed, p)
