@@ -34,8 +34,9 @@ handful (p < 0.005; measured p ≤ 0.0006 for each step alone). A wrong sign, re
 wrong executions, or an update that ignores them fails it. And the records are exact: the engine's
 recorded log-prob of every trained token is HF's under the published version that served it.
 Whether the held-out pass rate rises is a longer measurement (``benchmarks/learning_curve.py``,
-20 steps, three seeds): after 4 steps it moved by +0.021, +0.004 and −0.019 on three seeds
-(importance-sampled, ±0.003-0.004 each), so a short run cannot assert it.
+20 steps, three seeds): after 4 steps of this job it had moved by +0.026 ± 0.004, +0.011 ± 0.004
+and −0.013 ± 0.008 on three seeds (``benchmarks/lookup/held_out_change.py``), so a short run
+cannot assert it.
 """
 
 from __future__ import annotations
