@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
 
     if drop is not None:
         drop_to(drop)
-    apply(deny_unix_sockets=False)  # the relay itself connects to the proxy's socket
+    apply(harness=False)  # the relay itself connects to the proxy's socket
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            apply(deny_unix_sockets=True)
+            apply(harness=True)
             os.execvp(cmd[0], cmd)
         except BaseException as exc:  # noqa: BLE001 - nothing may return into the relay's code
             print(f"sandbox_relay: cannot start {cmd[0]!r}: {exc}", file=sys.stderr)
