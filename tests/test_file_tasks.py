@@ -179,8 +179,9 @@ def test_a_records_files_are_copied_into_the_workspace_before_the_harness(tmp_pa
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 def test_the_example_tasks_evaluator_scores_a_fix_and_ignores_edited_tests(tmp_path: Path,
                                                                         offline_sandbox: dict) -> None:
-    """``examples/tasks``: the shipped task set's evaluator, as a run calls it (in the sandbox):
-    the planted bug scores 0, the fix scores 1, and an agent that guts the test gains nothing."""
+    """``examples/tasks``: the shipped task set's evaluator (``gyre-score unittest``), as a run calls
+    it (in the sandbox): the planted bug scores 0, the fix scores 1, and an agent that guts the test
+    gains nothing."""
     from gyre_core.orchestrator.sandbox import prepare_dirs
 
     repo = Path(__file__).resolve().parents[1]
@@ -193,7 +194,7 @@ def test_the_example_tasks_evaluator_scores_a_fix_and_ignores_edited_tests(tmp_p
     for name, content in record["workspace"].items():
         (work / name).write_text(content)
     prepare_dirs(work, home)
-    cmd = [sys.executable, str(examples / "check.py")]
+    cmd = [shutil.which("gyre-score") or str(Path(sys.executable).with_name("gyre-score")), "unittest"]
 
     def score() -> float | None:
         return ft.run_evaluator_command(cmd, str(work), 60.0, sandbox, record)[0]

@@ -1,7 +1,9 @@
 """Generate the example task set: small repositories whose one failing test the agent must fix.
 
 Each task is a tiny Python module with one planted bug (a wrong operator, an off-by-one, a wrong
-constant) and a ``unittest`` file that fails until the bug is fixed. The records carry their files
+constant) and a ``unittest`` file that fails until the bug is fixed. The tests check each answer's
+exact type before its value, so an object that claims to equal everything fails them; they are
+scored by ``gyre-score unittest``, which runs the record's copy of them, never the workspace's. The records carry their files
 inline (``workspace``: ``{"path": "content"}``), so ``train.jsonl`` and ``eval.jsonl`` are the
 whole task set: copy the folder and point ``[task] train`` at it. Deterministic (seeded):
 
@@ -39,7 +41,9 @@ def task(i: int, rng: random.Random) -> dict:
     name, _, bug, cases = KINDS[i % len(KINDS)]
     module = f"{rng.choice(MODULES)}{i}"
     source = f'"""Small helpers."""\n\n\ndef {name}({ARGS[name]}):\n    {bug}\n'
-    checks = "\n".join(f"        self.assertEqual({module}.{name}(*{args!r}), {want!r})" for args, want in cases)
+    # exact type first: an object whose __eq__ always answers True (a known reward hack) fails here
+    checks = "\n".join(f"        got = {module}.{name}(*{args!r})\n        self.assertIs(type(got), {type(want).__name__})\n"
+                        f"        self.assertEqual(got, {want!r})" for args, want in cases)
     test = (f"import unittest\n\nimport {module}\n\n\nclass Test{name.title().replace('_', '')}(unittest.TestCase):\n"
             f"    def test_{name}(self):\n{checks}\n\n\nif __name__ == '__main__':\n    unittest.main()\n")
     return {

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -311,12 +313,47 @@ class SamplingSection(_Section):
     max_new_tokens: int = Field(24, ge=1)
 
 
-def _absolute_if_file(arg: str) -> str:
-    """``arg`` made absolute when it names an existing file relative to the current folder (a
-    symlink stays a symlink: ``.venv/bin/python`` keeps its virtual environment)."""
-    if arg and not os.path.isabs(arg) and os.path.isfile(arg):
-        return os.path.abspath(arg)
+def _absolute_if_file(arg: str, config_dir: Path | None = None) -> str:
+    """``arg`` made absolute when it names an existing file relative to the config file's folder,
+    or else to the current folder (a symlink stays a symlink: ``.venv/bin/python`` keeps its
+    virtual environment)."""
+    if not arg or os.path.isabs(arg):
+        return arg
+    for base in ([config_dir] if config_dir is not None else []) + [Path.cwd()]:
+        candidate = base / arg
+        if candidate.is_file():
+            return os.path.abspath(candidate)
     return arg
+
+
+_SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".mjs", ".pl", ".rb")
+
+
+def _evaluator_problem(cmd: list[str]) -> str | None:
+    """Why an evaluator command (after path resolution) would run something the agent wrote:
+    it runs in the workspace, so a path left relative, or ``python -m`` (which puts the working
+    folder first on ``sys.path``), resolves to the agent's files."""
+    for i, arg in enumerate(cmd):
+        if i and cmd[i - 1] == "-c":  # a program's text, not a path
+            continue
+        if not os.path.isabs(arg) and " " not in arg and ("/" in arg or arg.endswith(_SCRIPT_SUFFIXES)):
+            return (f"{arg!r} names no file relative to the config's folder or the start folder; in the "
+                    "workspace it would name a file the agent wrote")
+    if cmd and os.path.basename(cmd[0]).startswith("python"):
+        isolated, i = False, 1
+        while i < len(cmd) and cmd[i].startswith("-") and not cmd[i].startswith("--") and cmd[i] != "-":
+            arg, i = cmd[i], i + 1
+            for j, flag in enumerate(arg[1:], 1):
+                isolated = isolated or flag in "IP"
+                if flag == "m" and not isolated:
+                    return ("python -m in the workspace imports the agent's files first (the working folder "
+                            "heads sys.path): add -I before -m, or use the gyre-score command")
+                if flag in "mc":  # the program follows: no more interpreter options
+                    return None
+                if flag in "WX":  # that option's value: the rest of this argument, or the next one
+                    i += j == len(arg) - 1
+                    break
+    return None
 
 
 def _embedded_scheduler() -> dict[str, Any]:
@@ -346,8 +383,10 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
 
-    def validate(self) -> "RunConfig":
-        """The checks that span settings (each single setting's range is on its field)."""
+    def validate(self, config_dir: Path | None = None) -> "RunConfig":
+        """The checks that span settings (each single setting's range is on its field);
+        ``config_dir``: the config file's folder, against which commands' relative paths resolve
+        first."""
         def need(cond: bool, where: str, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"{where}: {msg}")
@@ -357,9 +396,14 @@ class RunConfig:
         need(self.harness.kind != "command" or bool(self.harness.command), "harness.command", "needed for harness 'command'")
         # a program or script named relative to where the run starts: harnesses and evaluator
         # commands run in their workspace, so such paths become absolute here
-        self.harness.command = [_absolute_if_file(a) for a in self.harness.command]
-        self.task.evaluator = [_absolute_if_file(a) for a in self.task.evaluator]
-        self.task.setup = [_absolute_if_file(a) for a in self.task.setup]
+        self.harness.command = [_absolute_if_file(a, config_dir) for a in self.harness.command]
+        self.task.evaluator = [_absolute_if_file(a, config_dir) for a in self.task.evaluator]
+        self.task.setup = [_absolute_if_file(a, config_dir) for a in self.task.setup]
+        if self.task.evaluator[:1] == ["gyre-score"]:  # Gyre's own scorer: the one installed beside Gyre
+            beside = os.path.join(os.path.dirname(sys.executable), "gyre-score")
+            self.task.evaluator[0] = beside if os.path.isfile(beside) else shutil.which("gyre-score") or "gyre-score"
+        evaluator_problem = _evaluator_problem(self.task.evaluator)
+        need(evaluator_problem is None, "task.evaluator", str(evaluator_problem))
         need(not self.task.setup or self.task.name == "file", "task.setup",
              f"a set-up command belongs to file tasks (task.train), not {self.task.name!r}")
         if self.task.train and self.task.name == TaskSection.model_fields["name"].default:
@@ -549,7 +593,7 @@ def load_run_config(path: str | Path | None = None, overrides: Mapping[str, Any]
     cfg = RunConfig()
     for name, section in raw.items():
         setattr(cfg, name, _build_section(name, section))
-    return cfg.validate()
+    return cfg.validate(Path(path).resolve().parent if path is not None else None)
 
 
 def tp_split_problems(config_json: Path, tp: int, ep: int = 1) -> list[tuple[str, str]]:

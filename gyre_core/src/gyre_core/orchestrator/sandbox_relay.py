@@ -77,6 +77,9 @@ def main(argv: list[str]) -> int:
 
     if drop is not None:
         drop_to(drop)
+    from gyre_core.scoring.verdict import protect_self
+
+    protect_self()  # the harness (same uid) cannot open the relay's descriptors (Gyre's pipes) via /proc
     apply(harness=False)  # the relay itself connects to the proxy's socket
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

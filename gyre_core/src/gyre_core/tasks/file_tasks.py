@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import secrets
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, TaskOptions
+from gyre_core.scoring.verdict import signed_verdict
 from gyre_core.tasks.workspace_command import run_in_workspace
 
 __all__ = ["TASK_NAME", "FileTaskInstance", "file_task_problems", "load_records", "record_for_group",
@@ -166,10 +168,31 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
     """Run the task's evaluator command in the workspace (inside the sandbox when the run has
     one; the task's record in ``GYRE_TASK_RECORD`` as JSON): ``(reward or None for unresolved,
     detail)``. Never raises for what the command does."""
+    token = secrets.token_hex(16)
     code, out, detail = run_in_workspace(cmd, workdir, timeout_s, sandbox,
-                                         {"GYRE_TASK_RECORD": json.dumps(dict(record or {}))}, "evaluator command")
+                                         {"GYRE_TASK_RECORD": json.dumps(dict(record or {}))}, "evaluator command",
+                                         stdin_text=token + "\n")
     if code is None:  # could not start, or gave no verdict in time
         return None, detail
+    if code < 0 or code >= 128:  # a signal (the relay re-raises it; bwrap reports 128 + N): never a verdict
+        return None, detail
+    signed = signed_verdict(out, token)
+    if signed.problem:
+        return None, f"evaluator command: {signed.problem}"
+    if signed.verdict is not None:
+        verdict = signed.verdict
+        if verdict.get("unresolved") is not None:
+            return None, f"evaluator command: unresolved ({str(verdict['unresolved'])[:300]})"
+        try:
+            value = reward_value(verdict if verdict.get("complete_failure") is True else verdict.get("reward"))
+        except TypeError as exc:
+            return None, f"evaluator command printed a malformed verdict: {exc}"
+        if value == COMPLETE_FAILURE:
+            return value, "evaluator command: complete failure (nothing to assess)"
+        if value is None:
+            return None, "evaluator command: a signed verdict without a reward"
+        why = f" ({str(verdict['why'])[:300]})" if verdict.get("why") else ""
+        return value, f"evaluator command: reward {value}{why}"
     lines = out.strip().splitlines()
     if lines and lines[-1].lstrip().startswith("{"):
         try:

@@ -18,9 +18,11 @@ OUTPUT_LIMIT_BYTES = 64 * 1024
 
 
 def run_in_workspace(cmd: Sequence[str], workdir: str, timeout_s: float, sandbox: Mapping[str, Any] | None,
-                     env: Mapping[str, str] | None = None, what: str = "command") -> tuple[int | None, str, str]:
+                     env: Mapping[str, str] | None = None, what: str = "command",
+                     stdin_text: str | None = None) -> tuple[int | None, str, str]:
     """``(exit code, or None if it could not start or ran out of time; the end of its stdout;
-    a one-line detail)``. Never raises for what the command does."""
+    a one-line detail)``. ``stdin_text``: what its standard input holds (else it is empty).
+    Never raises for what the command does."""
     argv, fds = list(cmd), ()
     if sandbox:
         from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
@@ -30,13 +32,14 @@ def run_in_workspace(cmd: Sequence[str], workdir: str, timeout_s: float, sandbox
         argv, fds = launch.argv, launch.pass_fds
     base = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ}
     try:
-        proc = subprocess.Popen(argv, cwd=workdir, env={**base, **dict(env or {})}, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, cwd=workdir, env={**base, **dict(env or {})},
+                                stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=fds,
                                 start_new_session=True)
     except OSError as exc:
         return None, "", f"{what} cannot start: {exc}"
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        out, _ = proc.communicate(None if stdin_text is None else stdin_text.encode(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
