@@ -6,14 +6,25 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gyre_core.orchestrator.sandbox import SandboxSpec, sandbox_problem, wrap
 
 
-def test_wrap_hides_the_run_and_binds_back_only_the_execution(tmp_path: Path) -> None:
+@pytest.fixture
+def outside_tmp() -> Any:
+    """A folder outside ``/tmp``, which every sandbox empties: hiding there is the hide's own work."""
+    d = Path(tempfile.mkdtemp(prefix=".gyre-shape-test-", dir=Path(__file__).resolve().parents[1]))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_wrap_hides_the_run_and_binds_back_only_the_execution(outside_tmp: Path) -> None:
+    tmp_path = outside_tmp
     out, key = tmp_path / "run", tmp_path / "control.key"
     out.mkdir()
     key.write_text("k" * 64)

@@ -50,7 +50,8 @@ JOURNAL = "journal.jsonl"
 
 RESUME_MAY_CHANGE = ("run.steps", "run.max_wall_s", "run.out_dir", "run.resume", "training.step_timeout_s",
                      "training.collective_timeout_s", "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.", "metrics.",
-                     "checkpoint.", "harness.evaluator_timeout_s", "harness.sandbox_expose")
+                     "checkpoint.", "harness.evaluator_timeout_s", "harness.sandbox_expose",
+                     "harness.sandbox_hide")
 """What a resumed run may change (how long and how watched it runs, where it listens): everything
 else shapes what the journal recorded (the scheduler, the task, sampling, the objective, the
 harness, the seed) and must match, unless the resume is forced."""
@@ -174,6 +175,18 @@ def make_proxy_service(cfg: RunConfig, tokenizer: Any, pm: Any) -> Any:
     ), classify=lambda leaf: pm.hook.gyre_classify_role(leaf=leaf))
 
 
+def hidden_paths(cfg: RunConfig, out: Path) -> tuple[list[str], list[str]]:
+    """What no sandbox may see (the run folder, the cluster key, the model folder, the task files
+    train and held-out) and what only the evaluator may see: the reward function's file, the
+    files the evaluator command names (not its program, which may be the harness's interpreter
+    too), and ``harness.sandbox_hide``."""
+    hide = [out] + [p for p in (cfg.cluster.key_file, cfg.model.dir, cfg.task.train, cfg.task.eval) if p]
+    judge_only = [cfg.task.reward.rpartition(":")[0]] if cfg.task.reward else []
+    judge_only += [a for a in cfg.task.evaluator[1:] if os.path.isabs(a) and os.path.isfile(a)]
+    judge_only += list(cfg.harness.sandbox_hide)
+    return [str(Path(p).resolve()) for p in hide], [str(Path(p).resolve()) for p in judge_only if p]
+
+
 async def sandbox_gate(app: Any, cfg: RunConfig, out: Path, port: int
                        ) -> tuple[dict[str, Any] | None, Any, asyncio.Task[Any] | None, Path | None]:
     """With ``harness.sandbox = "bwrap"``: the sandboxes' only way out, the proxy on a Unix socket
@@ -193,8 +206,9 @@ async def sandbox_gate(app: Any, cfg: RunConfig, out: Path, port: int
     # asks every call for its execution's own key
     os.chmod(sock_dir, 0o711)
     os.chmod(sock, 0o666)
-    hide = [str(out.resolve())] + [str(Path(p).resolve()) for p in (cfg.cluster.key_file, cfg.model.dir) if p]
-    sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port, tuple(cfg.harness.sandbox_expose)).as_extra()
+    hide, judge_only = hidden_paths(cfg, out)
+    sandbox = SandboxSpec(tuple(hide), sock, cfg.proxy.host, port, tuple(cfg.harness.sandbox_expose),
+                          tuple(judge_only)).as_extra()
     return sandbox, sock_server, sock_task, sock_dir
 
 

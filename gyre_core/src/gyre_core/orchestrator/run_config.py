@@ -126,6 +126,10 @@ class HarnessSection(_Section):
     sandbox_expose: list[str] = Field(default_factory=list)
     """Host paths a sandboxed harness may read besides the Python environment and the files its
     command names (e.g. a tool's folder under a home that the sandbox empties)."""
+    sandbox_hide: list[str] = Field(default_factory=list)
+    """Host paths hidden from the harness and the task's set-up (not from the evaluator) besides
+    the task files, the reward or evaluator source and the run folder, which always are: e.g. a
+    task generator that holds the solutions."""
     claude_bin: str = "claude"
     """The Claude Code executable (``harness.kind = "claude-code"``)."""
     args: list[str] = Field(default_factory=list)
@@ -399,6 +403,7 @@ class RunConfig:
         self.harness.command = [_absolute_if_file(a, config_dir) for a in self.harness.command]
         self.task.evaluator = [_absolute_if_file(a, config_dir) for a in self.task.evaluator]
         self.task.setup = [_absolute_if_file(a, config_dir) for a in self.task.setup]
+        self.harness.sandbox_hide = [_absolute_if_file(a, config_dir) for a in self.harness.sandbox_hide]
         if self.task.evaluator[:1] == ["gyre-score"]:  # Gyre's own scorer: the one installed beside Gyre
             beside = os.path.join(os.path.dirname(sys.executable), "gyre-score")
             self.task.evaluator[0] = beside if os.path.isfile(beside) else shutil.which("gyre-score") or "gyre-score"

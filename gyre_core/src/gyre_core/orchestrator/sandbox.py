@@ -17,8 +17,10 @@ harness process runs:
 * on the **host filesystem read-only**, with private empty ``/tmp``, ``/var/tmp`` and ``/run``
   (``/var/run``), an **empty home over the orchestrator's ``$HOME``** (and ``/root``): no
   ``~/.ssh``, ``~/.netrc``, tokens; the **run folder hidden** (sibling workspaces, trajectories,
-  the journal, the control key, published weights) and any **sibling run folder** beside it; its
-  own workspace and home the only writable places;
+  the journal, the control key, published weights) and any **sibling run folder** beside it, and
+  **what scores it hidden**: the task files (train and held-out) from everything, the reward or
+  evaluator source (and ``harness.sandbox_hide``) from the harness and the set-up; its own
+  workspace and home the only writable places;
 * with **the proxy as the only way out**: a relay inside the sandbox
   (:mod:`gyre_core.orchestrator.sandbox_relay`) listens on the proxy's loopback address and
   forwards to the proxy's Unix socket, bound in from a folder that holds nothing else.
@@ -64,15 +66,19 @@ class SandboxSpec:
     proxy_port: int
     expose: tuple[str, ...] = ()
     """Host paths bound back read-only after everything is hidden (``harness.sandbox_expose``)."""
+    hide_from_harness: tuple[str, ...] = ()
+    """Host paths hidden from the harness and the task's set-up but not from its evaluator: what
+    scores an execution (the reward or evaluator source, ``harness.sandbox_hide``)."""
 
     def as_extra(self) -> dict[str, Any]:
         return {"hide": list(self.hide), "proxy_socket": self.proxy_socket, "proxy_host": self.proxy_host,
-                "proxy_port": self.proxy_port, "expose": list(self.expose)}
+                "proxy_port": self.proxy_port, "expose": list(self.expose),
+                "hide_from_harness": list(self.hide_from_harness)}
 
     @classmethod
     def from_extra(cls, d: Mapping[str, Any]) -> "SandboxSpec":
         return cls(tuple(d["hide"]), str(d["proxy_socket"]), str(d["proxy_host"]), int(d["proxy_port"]),
-                   tuple(d.get("expose", ())))
+                   tuple(d.get("expose", ())), tuple(d.get("hide_from_harness", ())))
 
 
 @dataclass
@@ -216,8 +222,10 @@ def _sibling_runs(hidden: Sequence[str]) -> list[str]:
     return out
 
 
-def wrap(argv: Sequence[str], sandbox: SandboxSpec, workdir: str, home: str) -> SandboxLaunch:
-    """``argv`` run inside a bubblewrap sandbox (see the module docstring), through the relay."""
+def wrap(argv: Sequence[str], sandbox: SandboxSpec, workdir: str, home: str, *, judge: bool = False) -> SandboxLaunch:
+    """``argv`` run inside a bubblewrap sandbox (see the module docstring), through the relay.
+    ``judge``: the task's evaluator, which may see what scores (``hide_from_harness``); everything
+    else (the harness, the set-up) may not."""
     identity, fds, relay_opts = _identity_args()
     args = ["bwrap", *identity, *BASE_ARGS]
     private = [p for p in PRIVATE if os.path.isdir(p) and not os.path.islink(p)]
@@ -238,7 +246,11 @@ def wrap(argv: Sequence[str], sandbox: SandboxSpec, workdir: str, home: str) -> 
             continue
         args += _dirs_for(p, emptied, made) + ["--ro-bind", p, p]
         bound.append(p)
-    hidden = [os.path.realpath(h) for h in sandbox.hide] + _sibling_runs(sandbox.hide)
+    hidden = [os.path.realpath(h) for h in (*sandbox.hide, *(() if judge else sandbox.hide_from_harness))
+              if os.path.exists(h)] + _sibling_runs(sandbox.hide)
+    # a file under an emptied folder is not there anyway (and binding /dev/null over it would make
+    # its folders, mode 0700, before the harness's own files are bound back into them)
+    hidden = [h for h in hidden if os.path.isdir(h) or not _under(h, emptied)]
     for path in hidden:  # a folder under an empty tmpfs, a file under /dev/null
         args += ["--perms", "0755", "--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
     emptied += [h for h in hidden if os.path.isdir(h)]

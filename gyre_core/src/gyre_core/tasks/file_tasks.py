@@ -171,7 +171,7 @@ def run_evaluator_command(cmd: Sequence[str], workdir: str, timeout_s: float,
     token = secrets.token_hex(16)
     code, out, detail = run_in_workspace(cmd, workdir, timeout_s, sandbox,
                                          {"GYRE_TASK_RECORD": json.dumps(dict(record or {}))}, "evaluator command",
-                                         stdin_text=token + "\n")
+                                         stdin_text=token + "\n", judge=True)
     if code is None:  # could not start, or gave no verdict in time
         return None, detail
     if code < 0 or code >= 128:  # a signal (the relay re-raises it; bwrap reports 128 + N): never a verdict

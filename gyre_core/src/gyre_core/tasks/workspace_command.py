@@ -19,16 +19,17 @@ OUTPUT_LIMIT_BYTES = 64 * 1024
 
 def run_in_workspace(cmd: Sequence[str], workdir: str, timeout_s: float, sandbox: Mapping[str, Any] | None,
                      env: Mapping[str, str] | None = None, what: str = "command",
-                     stdin_text: str | None = None) -> tuple[int | None, str, str]:
+                     stdin_text: str | None = None, judge: bool = False) -> tuple[int | None, str, str]:
     """``(exit code, or None if it could not start or ran out of time; the end of its stdout;
-    a one-line detail)``. ``stdin_text``: what its standard input holds (else it is empty).
+    a one-line detail)``. ``stdin_text``: what its standard input holds (else it is empty);
+    ``judge``: the task's evaluator (it may see what scores, which the set-up may not).
     Never raises for what the command does."""
     argv, fds = list(cmd), ()
     if sandbox:
         from gyre_core.orchestrator.sandbox import SandboxSpec, wrap
 
         home = str(Path(workdir).parent / f"{Path(workdir).name}.home")
-        launch = wrap(argv, SandboxSpec.from_extra(sandbox), workdir, home)
+        launch = wrap(argv, SandboxSpec.from_extra(sandbox), workdir, home, judge=judge)
         argv, fds = launch.argv, launch.pass_fds
     base = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ}
     try:
