@@ -12,9 +12,12 @@ The reward is either
   (``outcome``: ``{"harness_exit": code or None, "harness_end": "completed" | "failed" |
   "crashed"}``), returning a number (the reward), or ``None`` / raising for *unresolved* (retried
   within the budget, never a zero); or
-* ``evaluator = ["python", "check.py"]``, a command run in the workspace -- inside the execution's
-  sandbox, as the harness ran -- with a timeout: exit 0 is 1.0 and exit 1 is 0.0, unless its last
-  stdout line is ``{"reward": x}``; any other exit, a signal or the timeout is unresolved.
+* ``evaluator = ["gyre-score", "unittest"]`` (:mod:`gyre_core.scoring`) or a command of the user's
+  own, run in the workspace -- inside the execution's sandbox, as the harness ran -- with a
+  timeout: exit 0 is 1.0 and exit 1 is 0.0, unless its last stdout line is ``{"reward": x}``; any
+  other exit, a signal or the timeout is unresolved. Its standard input holds a fresh verdict
+  token (:mod:`gyre_core.scoring.verdict`): a verdict signed with it is the evaluator's own, and
+  output after it, or a verdict signed with another token, is unresolved.
 
 Either may declare a *complete failure* (the harness left nothing to judge): a reward function
 returns ``{"complete_failure": True}``, an evaluator prints ``{"complete_failure": true}`` last. The
