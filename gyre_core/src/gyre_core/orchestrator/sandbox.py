@@ -298,8 +298,8 @@ def sandbox_problem(kind: str) -> str | None:
     """Why ``harness.sandbox = kind`` cannot hold here (``None``: it can), in one line.
 
     Starts a real sandbox and checks from inside what the module docstring promises: an
-    unprivileged uid, no capabilities, the filter in place (``mount`` and ``socket(AF_UNIX)``
-    refused), ``no_new_privs``."""
+    unprivileged uid, no capabilities, the filter in place (``mount``, ``socket(AF_UNIX)``,
+    ``socket(AF_NETLINK)`` and ``io_uring_setup`` refused), ``no_new_privs``."""
     if kind == "none":
         return None
     if shutil.which("bwrap") is None:
@@ -321,7 +321,9 @@ def sandbox_problem(kind: str) -> str | None:
                              ("capabilities", got.get("cap_eff") == 0 and got.get("cap_bnd") == 0),
                              ("seccomp", got.get("seccomp") == 2), ("no_new_privs", got.get("no_new_privs") == 1),
                              ("mount refused", got.get("mount") == "refused"),
-                             ("unix sockets refused", got.get("unix_socket") == "refused")) if not ok]
+                             ("unix sockets refused", got.get("unix_socket") == "refused"),
+                             ("netlink sockets refused", got.get("netlink_socket") == "refused"),
+                             ("io_uring refused", got.get("io_uring") == "refused")) if not ok]
     if wrong:
         return (f"harness.sandbox: a sandbox here does not hold ({', '.join(wrong)} wrong: {got}); "
                 "or set harness.sandbox = \"none\"")

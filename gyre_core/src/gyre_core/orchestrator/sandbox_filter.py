@@ -218,7 +218,20 @@ def report() -> dict[str, Any]:
         unix = "allowed"
     except PermissionError:
         unix = "refused"
-    return {"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
+    try:
+        socket.socket(PROBED_FAMILIES["AF_NETLINK"], socket.SOCK_RAW).close()
+        netlink = "allowed"
+    except OSError as exc:
+        netlink = "refused" if exc.errno == errno.EPERM else _errno_name(exc.errno or 0)
+    libc.syscall.restype = ctypes.c_long
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    fd = libc.syscall(ctypes.c_long(_number(load_library(), "io_uring_setup")), ctypes.c_long(1), params)
+    if fd >= 0:
+        os.close(fd)
+    io_uring = "allowed" if fd >= 0 else ("refused" if ctypes.get_errno() in (errno.EPERM, errno.ENOSYS) else
+                                          _errno_name(ctypes.get_errno()))
+    return {"netlink_socket": netlink, "io_uring": io_uring,
+            "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
             "cap_eff": int(st.get("CapEff", "0"), 16), "cap_prm": int(st.get("CapPrm", "0"), 16),
             "cap_bnd": int(st.get("CapBnd", "0"), 16), "seccomp": int(st.get("Seccomp", "0")),
             "no_new_privs": int(st.get("NoNewPrivs", "0")), "mount": mount, "unix_socket": unix}
