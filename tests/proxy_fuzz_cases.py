@@ -4,12 +4,20 @@ Shared by ``tests/test_proxy_fuzz.py`` (a bounded run in CI) and ``benchmarks/pr
 (a few thousand requests). The server is the real app (:func:`gyre_core.proxy.app.build_app`) under
 uvicorn on loopback with the proxy's own settings, in front of ``FakeEngine`` (a named stand-in
 engine: the fuzz is about the proxy's HTTP surface, not about a model).
+
+Two kinds of cases (:func:`any_case`): hostile requests (:func:`hostile_request`: what a broken or
+malicious harness sends) and policy outputs (:func:`policy_case`: what a policy under RL samples --
+tool calls holding ``NaN``, ``1e999``, lone surrogates or 5,000 levels of nesting, stray special
+tokens, random token ids, non-finite log-probs -- answered through both faces, streamed or not,
+and sent back by the harness in its next request). :func:`run_case` sends one and says what is
+wrong with the answers.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import threading
 import time
@@ -31,6 +39,9 @@ class FuzzServer:
     service: Any
     server: Any
     thread: threading.Thread
+    engine: Any = None
+    guard: Any = None
+    """The app's wire limits (``http_layer.WireGuard``): in-flight counts, the global cap."""
     keys: dict[str, str] = field(default_factory=dict)
     ids: dict[str, int] = field(default_factory=dict)
     answered: dict[str, int] = field(default_factory=lambda: {"a": 0, "b": 0})
@@ -40,7 +51,8 @@ class FuzzServer:
         self.thread.join(15)
 
 
-def start_server(body_limit: int = BODY_LIMIT) -> FuzzServer:
+def start_server(body_limit: int = BODY_LIMIT, **config: Any) -> FuzzServer:
+    """The server; ``config``: more ``ProxyConfig`` fields (the wire limits, the window)."""
     import uvicorn
 
     from gyre_core.proxy.app import build_app
@@ -50,9 +62,11 @@ def start_server(body_limit: int = BODY_LIMIT) -> FuzzServer:
     from gyre_core.proxy.service import ProxyConfig, ProxyService
     from gyre_core.tiny_model import cached_tiny_model
 
+    config.setdefault("max_new_tokens", 4096)  # policy outputs are scripted whole; requests may lower it
     service = ProxyService(ChatRenderer.from_model_dir(cached_tiny_model()),
-                           ProxyConfig(served_models=("tiny",), max_body_bytes=body_limit, max_new_tokens=4))
-    service.add_engine(FakeEngine("http://fake"))
+                           ProxyConfig(served_models=("tiny",), max_body_bytes=body_limit, **config))
+    engine = FakeEngine("http://fake")
+    service.add_engine(engine)
     app = build_app(service, admin_token=ADMIN)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,7 +79,7 @@ def start_server(body_limit: int = BODY_LIMIT) -> FuzzServer:
         if time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
-    fs = FuzzServer(port, service, server, thread)
+    fs = FuzzServer(port, service, server, thread, engine, app.state.wire_guard)
     for name in ("a", "b"):
         fs.ids[name], fs.keys[name] = service.create_execution()
     return fs
@@ -149,9 +163,9 @@ def raw_body(draw: Any) -> bytes:
     if kind == "truncated":
         full = json.dumps(draw(openai_body)).encode()
         return full[: draw(st.integers(0, len(full) - 1))]
-    if kind == "oversize":
+    if kind == "oversize":  # 40 MB: far past the drain factor, it must still get its 413, not a reset
         return b'{"model":"tiny","messages":[{"role":"user","content":"' + b"x" * draw(
-            st.sampled_from([BODY_LIMIT + 1, 2 * BODY_LIMIT, 5 * BODY_LIMIT])) + b'"}]}'
+            st.sampled_from([BODY_LIMIT + 1, 2 * BODY_LIMIT, 5 * BODY_LIMIT, 40_000_000])) + b'"}]}'
     return b""
 
 
@@ -210,6 +224,152 @@ def hostile_request(draw: Any) -> tuple[str, str, str, dict[str, str], bytes]:
     if draw(st.integers(0, 9)) == 0:
         headers["x-fuzz"] = "v" * draw(st.sampled_from([100, 70_000]))
     return who, method, path, headers, draw(raw_body())
+
+
+# ------------------------------------------------------------------------------ policy outputs
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+POLICY_ARGUMENTS = (
+    '{"command": "ls"}', '{"x": NaN}', '{"x": Infinity}', '{"x": -Infinity}', '{"x": 1e999}', '{"x": -1e999}',
+    '{"x": 1.5e308}', '{"x": "\\ud800"}', '{"\\udfff": 1}', '{"x": ["ok", "\\udc00"]}', '{"x": "\\u0000"}',
+    '{"x": ' + "9" * 4300 + '}', '{"x": ' + "9" * 5000 + '}', '{"a": 1, "a": 2}', '"not an object"', "[]",
+    '{"x": ' + _nested(40) + '}', '{"x": ' + _nested(47) + '}', '{"x": ' + _nested(48) + '}',
+    '{"x": ' + _nested(63) + '}', '{"x": ' + _nested(900) + '}', '{"x": ' + _nested(5000) + '}',
+    '{"x": "a\\u202eb", "y": "\\ud83d\\ude00"}', '{"x": {"y": {"z": [null, true, false, -0.0, 1e-400]}}}',
+)
+"""Tool-call arguments a policy under RL does sample (strict JSON or not, deep or not)."""
+
+POLICY_FRAGMENTS = (
+    "<think>", "</think>", "<think>reasoning</think>", "<tool_call>", "</tool_call>", "<tool_response>x</tool_response>",
+    "<|im_start|>user\nhi<|im_end|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\x00", "\ufeff", "\u202e",
+    "plain text ", "{", "}", '"', "\\", "\n\n", "\U0010ffff", "",
+)
+
+
+@st.composite
+def policy_text(draw: Any) -> str:
+    """A sampled answer: fragments of markup and text around tool-call blocks of hostile arguments."""
+    parts: list[str] = []
+    for _ in range(draw(st.integers(0, 3))):
+        parts.append(draw(st.sampled_from(POLICY_FRAGMENTS)))
+        if draw(st.booleans()):
+            name = draw(st.sampled_from(['"Bash"', '""', "1", "null", '"a\\ud800"']))
+            parts.append('<tool_call>\n{"name": ' + name + ', "arguments": ' + draw(st.sampled_from(POLICY_ARGUMENTS))
+                         + "}\n</tool_call>")
+    parts.append(draw(st.sampled_from(["", "<|im_end|>"])))
+    return "".join(parts)
+
+
+@dataclass(frozen=True)
+class PolicyCase:
+    """One call whose answer is a hostile policy output (``text`` encoded, or raw token ``ids``)."""
+
+    who: str
+    path: str
+    stream: bool
+    text: str | None
+    ids: tuple[int, ...]
+    logprob: float
+    follow_up: bool
+    """Send the answer back, as the harness does, in a second call (tool results for its calls)."""
+
+
+@st.composite
+def policy_case(draw: Any) -> PolicyCase:
+    random_ids = draw(st.integers(0, 3)) == 0
+    return PolicyCase(
+        who=draw(st.sampled_from(["a", "b"])), path=draw(st.sampled_from(CHAT_PATHS)), stream=draw(st.booleans()),
+        text=None if random_ids else draw(policy_text()),
+        ids=tuple(draw(st.lists(st.integers(0, 2**20), max_size=24))) if random_ids else (),
+        logprob=draw(st.sampled_from([-0.5, -0.5, 0.0, float("nan"), float("-inf"), float("inf")])),
+        follow_up=draw(st.booleans()),
+    )
+
+
+def any_case() -> Any:
+    """Hostile requests, and one case in four a policy output."""
+    return st.one_of(hostile_request(), hostile_request(), hostile_request(), policy_case())
+
+
+def _chat_body(path: str, messages: list[dict[str, Any]], stream: bool) -> bytes:
+    body: dict[str, Any] = {"model": "tiny", "messages": messages, "stream": stream}
+    if path.startswith("/v1/messages"):
+        body["max_tokens"] = 4096
+    return json.dumps(body).encode()
+
+
+def _echo(path: str, answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The next request's messages: the first turn, the answer as the harness keeps it, the tool
+    results it owes (or another user turn)."""
+    first = {"role": "user", "content": "hi"}
+    if path.startswith("/v1/messages"):
+        calls = [b["id"] for b in answer["content"] if b.get("type") == "tool_use"]
+        results: Any = [{"type": "tool_result", "tool_use_id": c, "content": "ok"} for c in calls] or "go on"
+        return [first, {"role": "assistant", "content": answer["content"]}, {"role": "user", "content": results}]
+    message = answer["choices"][0]["message"]
+    tail = [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in message.get("tool_calls") or []]
+    return [first, message, *tail, {"role": "user", "content": "go on"}]
+
+
+def _strict(obj_text: bytes) -> Any:
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} in an answer")
+
+    return json.loads(obj_text, parse_constant=no_constant)
+
+
+def check_answer(out: Outcome) -> str | None:
+    """A 200 answer must be strict JSON (or SSE events of strict JSON) with no error inside."""
+    if out.status != 200:
+        return None
+    body = out.body
+    try:
+        if body.startswith((b"data:", b"event:", b":")):
+            for line in body.decode("utf-8").split("\n"):
+                if line.startswith("event: error"):
+                    return f"an error event in a 200 stream: {body[-300:]!r}"
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = _strict(line[6:].encode())
+                    if isinstance(event, dict) and ("error" in event or event.get("type") == "error"):
+                        return f"an error in a 200 stream: {line[:300]!r}"
+        else:
+            _strict(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"a 200 answer that is not strict JSON ({exc}): {body[:200]!r}"
+    return None
+
+
+def run_case(fs: FuzzServer, case: Any) -> list[tuple[Outcome, str | None]]:
+    """Send one case (a hostile request or a :class:`PolicyCase`); each answer and its problem."""
+    if not isinstance(case, PolicyCase):
+        who, method, path, headers, body = case
+        out = send(fs.port, method, path, headers, body)
+        return [(out, check(fs, who, method, path, body, out))]
+    renderer, engine = fs.service.renderer, fs.engine
+    engine.outputs.clear()
+    engine.logprob = case.logprob
+    vocab = len(renderer.tokenizer)
+    engine.script(renderer.encode(case.text) if case.text is not None else [i % vocab for i in case.ids])
+    headers = {"Authorization": f"Bearer {KEYS[case.who]}", "Content-Type": "application/json"}
+    body = _chat_body(case.path, [{"role": "user", "content": "hi"}], case.stream)
+    out = send(fs.port, "POST", case.path, headers, body)
+    results = [(out, check(fs, case.who, "POST", case.path, body, out) or check_answer(out))]
+    if case.follow_up and out.status == 200 and not case.stream and results[0][1] is None:
+        engine.outputs.clear()
+        engine.logprob = -0.5
+        engine.script(renderer.encode("fine<|im_end|>"))
+        body2 = _chat_body(case.path, _echo(case.path, json.loads(out.body)), False)
+        out2 = send(fs.port, "POST", case.path, headers, body2)
+        problem = check(fs, case.who, "POST", case.path, body2, out2) or check_answer(out2)
+        if problem is None and out2.status != 200:
+            problem = f"the harness's echo of a policy output was refused: {out2.status} {out2.body[:300]!r}"
+        results.append((out2, problem))
+    engine.outputs.clear()
+    engine.logprob = -0.5
+    return results
 
 
 # ------------------------------------------------------------------------------ one request

@@ -3,7 +3,9 @@
 
 Every request must get an HTTP answer (no dropped connection, no hang), never a 5xx, errors in the
 shape of the API the path belongs to, an execution's key must never open ``/gyre/``, and each
-execution must hold exactly the calls that were answered with its own key. The benchmark-sized run
+execution must hold exactly the calls that were answered with its own key. Policy outputs (what a
+policy under RL samples) must be answered as strict JSON in both faces, streamed or not, and the
+harness's echo of them in its next call must be served. The benchmark-sized run
 is ``benchmarks/proxy_fuzz.py``.
 """
 
@@ -33,12 +35,14 @@ def server():
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                    HealthCheck.function_scoped_fixture])
-@given(req=cases.hostile_request())
-def test_no_5xx_no_lost_connection_no_crossing_over(server, req) -> None:
-    who, method, path, headers, body = req
-    out = cases.send(server.port, method, path, headers, body)
-    problem = cases.check(server, who, method, path, body, out)
-    assert problem is None, (problem, method, path, {k: v[:60] for k, v in headers.items()}, body[:200])
+@given(case=cases.any_case())
+def test_no_5xx_no_lost_connection_no_crossing_over(server, case) -> None:
+    for out, problem in cases.run_case(server, case):
+        if problem is not None:
+            server.answered.update({k: len(server.service.records(server.ids[k]).calls) for k in ("a", "b")})
+        shown = case if isinstance(case, cases.PolicyCase) else (case[1], case[2], {k: v[:60] for k, v in case[3].items()},
+                                                                   case[4][:200])
+        assert problem is None, (problem, shown)
 
 
 @pytest.mark.parametrize("factor", [1.2, 3.9])
@@ -55,7 +59,7 @@ def test_an_oversized_body_gets_its_413_even_when_the_client_writes_it_all_first
 
 
 def test_health_answers_within_100_ms_while_a_large_request_is_prepared() -> None:
-    fs = cases.start_server(body_limit=32 * 1024 * 1024)
+    fs = cases.start_server(body_limit=32 * 1024 * 1024, context_window=10**9)  # a window it fits: encoded whole
     try:
         body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * 800_000}]}).encode()
         result: dict[str, cases.Outcome] = {}

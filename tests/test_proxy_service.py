@@ -423,3 +423,27 @@ def test_an_execution_says_which_policy_versions_served_it(renderer: ChatRendere
 
     run(conversation())
     assert svc.policy_versions(eid) == [3, 4]
+
+
+def test_a_header_cannot_move_the_main_conversation_into_another_class(renderer: ChatRenderer) -> None:
+    """The agent-id header is the harness's claim: on the execution's first conversation (the one
+    its task prompt started) it is ignored, so a policy cannot relabel its own task trajectories;
+    a conversation of its own with the header is a sub-agent's."""
+    svc, eng = make(renderer)
+    eid, _ = svc.create_execution()
+    eng.script(*(renderer.encode(f"a{i}<|im_end|>") for i in range(3)))
+    base = [ChatMessage("system", "S"), ChatMessage("user", "task")]
+    claim = {"x-claude-code-agent-id": "agent-1", "x-claude-code-parent-agent-id": "agent-0"}
+
+    async def go() -> None:
+        await svc.complete(req(eid, base, headers=claim))  # the task prompt, claiming to be a sub-agent
+        await svc.complete(req(eid, base + [ChatMessage("assistant", "a0"), ChatMessage("user", "more")],
+                               headers=claim))
+        await svc.complete(req(eid, [ChatMessage("system", "You are a sub-agent"), ChatMessage("user", "look")],
+                               tools=(), headers={"x-claude-code-agent-id": "agent-7"}))
+
+    run(go())
+    assert [x.parent_id for x in svc.records(eid).calls] == [None, 0, None]
+    assert svc.role_of(eid, 1).name == "MAIN_AGENT_TASK"
+    assert svc.role_of(eid, 2).name == "SUB_AGENT_TASK"
+    assert {t.leaf_id: t.role.name for t in svc.selected(eid, 8, 0)}.get(1) == "MAIN_AGENT_TASK"  # what selection sees

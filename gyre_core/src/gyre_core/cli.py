@@ -317,9 +317,13 @@ def _proxy(args: argparse.Namespace) -> int:
     print(f"create an execution: curl -s -X POST {base}/gyre/executions -H 'Authorization: Bearer {token}' "
           "-H 'Content-Type: application/json' -d '{}'   # -> execution_id, api_key", file=sys.stderr)
     print(f"then point the harness at {base}/v1 (OpenAI) or {base} (Anthropic) with that api_key", file=sys.stderr)
-    app = build_app(service, admin_token=token)
+    from gyre_core.procutil import fds_needed, raise_fd_limit
     from gyre_core.proxy.http_layer import uvicorn_config
 
+    # executions are created over HTTP here, so the global connection cap is what must fit
+    fd = raise_fd_limit(fds_needed(1, config.max_connections, len(clients)))
+    print(fd.line(), file=sys.stderr)
+    app = build_app(service, admin_token=token)
     uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port)).run()
     return 0
 

@@ -140,6 +140,20 @@ def _serving_dir(v0: WeightsRef, tokenizer_dir: Path) -> Path:
     return d
 
 
+def proxy_fd_headroom(service: Any, extra_executions: int = 0) -> str:
+    """Raise the descriptor limit before the proxy serves (every harness connection is one) and
+    check it against the executions the engines hold at their capacity, each at the proxy's
+    per-execution connection cap, plus the engines: the line to report (a warning when short)."""
+    from gyre_core.procutil import fds_needed, raise_fd_limit
+
+    slots = service.router.engines()
+    executions = sum(int(s.capacity) for s in slots if s.capacity != float("inf")) + extra_executions
+    fd = raise_fd_limit(fds_needed(executions, service.config.max_connections_per_execution, len(slots)))
+    if not fd.ok:
+        log.warning("%s", fd.line())
+    return fd.line()
+
+
 async def _serve_proxy(app: Any, host: str, port: int, uds: str | None = None) -> tuple[Any, asyncio.Task[Any], int]:
     import uvicorn
 
@@ -348,6 +362,7 @@ async def _run(cfg: RunConfig, out: Path, pm: Any, engines: list[Any], say: Call
                            kind="standalone", capacity=cfg.scheduler.standalone_capacity)
         standalone = StandaloneHandles(pm.hook.gyre_make_serving_side(engine=-1, options=serving_opts),
                                        standalone_engine.url)
+    say(proxy_fd_headroom(service, extra_executions=cfg.eval.max_concurrent))
     app = build_app(service, admin_token=secrets.token_urlsafe(24), faces=default_faces())
     server, serve_task, port = await _serve_proxy(app, cfg.proxy.host, cfg.proxy.port)
     proxy_url = f"http://{cfg.proxy.host}:{port}"

@@ -3,8 +3,9 @@
 Security by default: binds 127.0.0.1 unless told otherwise; every harness route needs an
 execution's API key (``Authorization: Bearer`` or ``x-api-key``) and an execution reaches only its
 own records; every ``/gyre/`` route needs the admin token. Limits (headers, body size, JSON depth,
-Unicode, numbers) and error rendering are the shared HTTP layer's (:mod:`gyre_core.proxy.http_layer`),
-so malformed input gets a 4xx in the API's own shape, never a 500 or a dropped connection.
+Unicode, numbers), the per-execution caps on connections, calls and body bytes in flight, the
+timeouts, and error rendering are the shared HTTP layer's (:mod:`gyre_core.proxy.http_layer`), so
+malformed or abusive input gets a 4xx in the API's own shape, never a 500 or a dropped connection.
 
 Faces are pluggable: ``build_app(service, admin_token=..., faces=[openai_face, anthropic_face])``;
 a face is ``face(app, service) -> None`` that adds its routes (e.g. ``app.include_router(...)``)
@@ -38,7 +39,8 @@ from starlette.responses import JSONResponse, Response
 
 from gyre_core.proxy import anthropic_api
 from gyre_core.proxy.http_layer import (
-    api_key_of, check_headers, headers_of, openai_error_body, read_json, register_error_renderer, render_error,
+    ExecutionLimits, WireGuard, WireLimits, api_key_of, check_headers, headers_of, openai_error_body, read_json,
+    register_error_renderer, render_error,
 )
 from gyre_core.proxy.openai_api import openai_error, openai_face
 from gyre_core.proxy.service import MAX_EXECUTION_ID, ProxyService
@@ -222,6 +224,11 @@ def build_app(service: ProxyService, *, admin_token: str, faces: Iterable[Face] 
     app.state.service = service
     app.state.admin_token = admin_token
     app.state.error_renderers = []
+    # the wire limits (http_layer): the middleware checks each request head before a route reads
+    # its body; ``uvicorn_config`` finds the guard here and serves with the guarded h11 protocol
+    guard = WireGuard(WireLimits.of(service.config), identify=service.execution_of_key, events=service.wire_events)
+    app.state.wire_guard = guard
+    app.add_middleware(ExecutionLimits, guard=guard)
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> Response:

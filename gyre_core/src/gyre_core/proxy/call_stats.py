@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["CallStats"]
+__all__ = ["CallStats", "LimitEvents"]
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -69,3 +69,40 @@ class CallStats:
         if w.engine_s > 0:
             out["engines/tokens_per_engine_s"] = w.output_tokens / w.engine_s
         return out
+
+
+class LimitEvents:
+    """What the proxy's wire limits refused (see :mod:`gyre_core.proxy.http_layer`), counted per
+    execution and kind (``body_too_large``, ``connections``, ``calls_in_flight``,
+    ``body_bytes_in_flight``, ``body_timeout``), plus the events no execution can be named for
+    (``connections_evicted``, ``connections_refused``, ``header_timeouts``, and refusals of
+    requests without a valid key). Written on the event loop; read by the orchestrator."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_execution: dict[int, dict[str, int]] = {}
+        self._wire: dict[str, int] = {}
+
+    def count(self, execution_id: int | None, kind: str) -> None:
+        with self._lock:
+            where = self._wire if execution_id is None else self._by_execution.setdefault(execution_id, {})
+            where[kind] = where.get(kind, 0) + 1
+
+    def of(self, execution_id: int) -> dict[str, int]:
+        """The execution's refusals by kind (empty when it was never over a limit)."""
+        with self._lock:
+            return dict(self._by_execution.get(execution_id, {}))
+
+    def forget(self, execution_id: int) -> None:
+        with self._lock:
+            self._by_execution.pop(execution_id, None)
+
+    def summary(self) -> dict[str, object]:
+        """Totals by kind, the connection-level events, and the executions that were refused."""
+        with self._lock:
+            totals: dict[str, int] = {}
+            for counts in self._by_execution.values():
+                for k, n in counts.items():
+                    totals[k] = totals.get(k, 0) + n
+            return {"refused": totals, "wire": dict(self._wire),
+                    "executions": {e: dict(c) for e, c in sorted(self._by_execution.items())}}

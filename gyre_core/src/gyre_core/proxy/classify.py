@@ -9,6 +9,9 @@ can override:
 * **Sub-agent**: Claude Code sends ``x-claude-code-agent-id`` (and, when nested,
   ``x-claude-code-parent-agent-id``) on every call a sub-agent makes; the main agent's calls carry
   neither. Sub-agents run in their own conversation, so their calls form a separate root path.
+  The header is the harness's claim, and the harness runs the policy's code: Gyre honours it only
+  off the execution's first conversation (:data:`ON_MAIN_PATH_KEY`), which is the main agent's by
+  construction.
 * **Summary**: compaction re-sends the history with an instruction appended to the last user
   message asking for a text-only answer inside ``<summary>`` tags; the answer is the summary and
   the conversation restarts from it (a new branch). A leaf whose last call was such a request is
@@ -54,7 +57,11 @@ PARENT_AGENT_ID_KEY = "parent_agent_id"
 SUMMARY_KEY = "summary_request"
 LAST_USER_TEXT_KEY = "last_user_text"
 ROLE_CLASS_KEY = "role_class"
-"""A harness that knows its own role can state it outright (a :class:`RoleClass` name or value)."""
+"""A plugin that knows a leaf's role can state it outright (a :class:`RoleClass` name or value);
+nothing a harness sends reaches this key."""
+ON_MAIN_PATH_KEY = "gyre_on_main_path"
+"""Set by Gyre, never by a request: whether the leaf descends from the execution's first
+conversation (the one its task prompt started), i.e. is the main agent's by construction."""
 
 # Phrases of Claude Code's compaction instruction (2.1.197). Two independent marks must both be
 # present, so a user who merely mentions a summary is not mistaken for a compaction request.
@@ -104,6 +111,14 @@ def request_role_metadata(request: ChatRequest) -> dict[str, Any]:
     return out
 
 
+def on_main_path(tree: Any, leaf_id: int) -> bool:
+    """Whether ``leaf_id`` descends from the first root of ``tree`` (a
+    :class:`~gyre_core.trajectory.TrajectoryTree`): the conversation the execution's first call
+    started."""
+    first = next(iter(tree), None)
+    return first is not None and tree.path(leaf_id)[0].node_id == first.node_id
+
+
 def _explicit(value: Any) -> RoleClass | None:
     if isinstance(value, RoleClass):
         return value
@@ -124,12 +139,16 @@ def classify_metadata(metadata: Mapping[str, Any]) -> RoleClass:
         return explicit
     headers = metadata.get("headers")
     headers = {str(k).lower(): v for k, v in headers.items()} if isinstance(headers, Mapping) else {}
-    sub_agent = bool(
+    claimed = bool(
         metadata.get(AGENT_ID_KEY)
         or metadata.get(PARENT_AGENT_ID_KEY)
         or headers.get(AGENT_ID_HEADER)
         or headers.get(PARENT_AGENT_ID_HEADER)
     )
+    # a harness's agent-id header is a claim: the calls that continue the execution's first
+    # conversation are the main agent's whatever they claim (a policy cannot move its own task
+    # trajectories into another class); only a conversation of its own can be a sub-agent's
+    sub_agent = claimed and metadata.get(ON_MAIN_PATH_KEY) is not True
     flag = metadata.get(SUMMARY_KEY)
     if isinstance(flag, bool):
         summary = flag

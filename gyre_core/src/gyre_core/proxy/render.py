@@ -22,18 +22,53 @@ global state (Qwen3's "drop the thinking of turns before the last user query", t
   every shape (system/no system, tools, tool calls and grouped tool results, reasoning, mid-turn
   system messages) and disables tail rendering for good if any tail it would *accept* differs
   from the full render's suffix; the caller then renders in full (and counts it).
+
+The context window before the encoding
+--------------------------------------
+Encoding costs about a second per megabyte, so a prompt that cannot fit is refused before it is
+encoded whole (:meth:`ChatRenderer.encode_within`): first by a bound that costs nothing (no token
+stands for more than :meth:`ChatRenderer.max_token_chars` characters, so a text of ``n``
+characters has at least ``n / max`` tokens), then, for a text much longer than the room left
+(more than :data:`PIECEWISE_CHARS_PER_TOKEN` characters per token of room), by encoding it piece
+by piece and stopping as soon as the pieces hold more tokens than the room. Only a text that may
+fit is encoded whole, exactly as before.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from gyre_core.proxy.types import ChatMessage, ProxyError
 
-__all__ = ["ChatRenderer", "message_to_template", "tools_key"]
+__all__ = ["ChatRenderer", "ContextTooLong", "message_to_template", "tools_key"]
+
+PIECE_CHARS = 64 * 1024
+"""Size of the pieces a long text is encoded in to find out early that it cannot fit."""
+PIECEWISE_CHARS_PER_TOKEN = 8
+"""A text longer than this many characters per token of room is encoded piece by piece first
+(English and code average about 4; a text that would fit at more than 8 is rare, and only costs
+its encoding twice)."""
+PIECE_SLACK = 2
+"""Tokens a cut between two pieces may add at most (cuts are made before whitespace, where the
+pre-tokenizers of GPT-, Llama- and Qwen-style tokenizers cut anyway)."""
+
+_LOSSLESS_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Metaspace", "Digits", "Punctuation", "Sequence"})
+_BOUNDED_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Sequence"})
+NORMALIZER_FACTOR = 4
+"""How many input characters one normalised character can stand for at most (Unicode composition
+turns at most three characters into one: Hangul jamo)."""
+
+
+class ContextTooLong(Exception):
+    """A text has at least ``at_least`` tokens, more than the room it was given."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"at least {at_least} tokens")
+        self.at_least = at_least
 
 
 def tools_key(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -79,6 +114,10 @@ class ChatRenderer:
         self.tail_unsupported_reason: str | None = None
         self._cache: OrderedDict[tuple[Any, ...], str] = OrderedDict()
         self._cache_size = 64
+        self._lock = threading.Lock()
+        """Calls are prepared in several threads: the cache and the one-time probes are shared."""
+        self._probe_lock = threading.Lock()
+        self._max_token_chars: int | None | bool = False  # False: not computed yet
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ChatRenderer":
@@ -118,16 +157,19 @@ class ChatRenderer:
         except TypeError:  # an unhashable field: no caching
             key, hit = None, None
         if hit is not None:
-            self._cache.move_to_end(key)
+            with self._lock:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
             return hit
         try:
             text = self.render(messages, tools, add_generation_prompt=gen)
         except ProxyError:
             return None
         if key is not None:
-            self._cache[key] = text
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            with self._lock:
+                self._cache[key] = text
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
         return text
 
     @staticmethod
@@ -181,7 +223,9 @@ class ChatRenderer:
     def supports_tail_rendering(self) -> bool:
         """Whether :meth:`render_tail` is exact for this template (probed once; see module docstring)."""
         if self._tail_supported is None:
-            self._tail_supported, self.tail_unsupported_reason = _probe_tail_rendering(self)
+            with self._probe_lock:
+                if self._tail_supported is None:
+                    self._tail_supported, self.tail_unsupported_reason = _probe_tail_rendering(self)
         return self._tail_supported
 
     def disable_tail_rendering(self, reason: str) -> None:
@@ -193,9 +237,94 @@ class ChatRenderer:
             return []
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def max_token_chars(self) -> int | None:
+        """Most characters of the input text one token can stand for; None when the tokenizer can
+        drop text (a pre-tokenizer that removes whitespace, an unknown-word token, a normaliser
+        that strips): then no count of characters bounds its tokens. Computed once, from the
+        vocabulary (a token spelled in ``k`` UTF-8 bytes stands for at most ``k`` bytes of text:
+        byte-level alphabets spell one byte as one character, SentencePiece spells a space as
+        three bytes), times :data:`NORMALIZER_FACTOR` when a normaliser may contract text."""
+        if self._max_token_chars is False:
+            with self._probe_lock:
+                if self._max_token_chars is False:
+                    self._max_token_chars = _max_token_chars(self.tokenizer)
+        return self._max_token_chars  # type: ignore[return-value]
+
+    def encode_within(self, text: str, limit: int | None) -> list[int]:
+        """:meth:`encode`, or :class:`ContextTooLong` once ``text`` is known to have more than
+        ``limit`` tokens -- before it is encoded whole (see the module docstring)."""
+        if limit is None:
+            return self.encode(text)
+        limit = max(limit, 0)
+        most = self.max_token_chars()
+        if most:
+            floor = -(-len(text) // most)
+            if floor > limit:
+                raise ContextTooLong(floor)
+        if len(text) > PIECEWISE_CHARS_PER_TOKEN * max(limit, 1) and len(text) > PIECE_CHARS:
+            counted, cuts, start = 0, 0, 0
+            while start < len(text):
+                end = _cut(text, start + PIECE_CHARS)
+                counted += len(self.encode(text[start:end]))
+                start = end
+                if start < len(text):
+                    cuts += 1
+                if counted - PIECE_SLACK * cuts > limit:
+                    raise ContextTooLong(counted - PIECE_SLACK * cuts)
+        return self.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens kept (``<tool_call>``, ``<think>``, the EOS)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _cut(text: str, at: int) -> int:
+    """A cut at or before ``at``, just before a whitespace character (``len(text)`` past the end)."""
+    if at >= len(text):
+        return len(text)
+    lo = max(at - 4096, 0)
+    for ws in (" ", "\n"):
+        i = text.rfind(ws, lo, at)
+        if i > lo:
+            return i
+    return at
+
+
+def _types(node: Any, key: str) -> list[str]:
+    """The component types of a tokenizer's JSON ``normalizer`` / ``pre_tokenizer`` (Sequences flattened)."""
+    if not node:
+        return []
+    out = [str(node.get("type"))]
+    for child in node.get(key, []) or []:
+        out.extend(_types(child, key))
+    return out
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """See :meth:`ChatRenderer.max_token_chars`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - an exotic tokenizer: no bound, the piecewise check still applies
+        return None
+    model = spec.get("model") or {}
+    pre = spec.get("pre_tokenizer")
+    norm = spec.get("normalizer")
+    if model.get("type") != "BPE" or (model.get("unk_token") and not model.get("byte_fallback")
+                                      and "ByteLevel" not in _types(pre, "pretokenizers")):
+        return None
+    if any(t not in _LOSSLESS_PRE_TOKENIZERS for t in _types(pre, "pretokenizers")):
+        return None
+    if pre and "Removed" in json.dumps(pre):
+        return None
+    norms = _types(norm, "normalizers")
+    if any(t not in _BOUNDED_NORMALIZERS for t in norms):
+        return None
+    most = max((len(piece.encode("utf-8", "surrogatepass")) for piece in vocab), default=1)
+    return max(1, most) * (NORMALIZER_FACTOR if norms else 1)
 
 
 def _probe_conversations() -> list[tuple[ChatMessage, ...]]:

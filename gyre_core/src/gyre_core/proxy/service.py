@@ -93,13 +93,13 @@ from gyre_core.interfaces import (
     KVHandOffEngine,
     RoleClass,
 )
-from gyre_core.proxy.call_stats import CallStats
-from gyre_core.proxy.classify import classify_metadata, request_role_metadata
+from gyre_core.proxy.call_stats import CallStats, LimitEvents
+from gyre_core.proxy.classify import ON_MAIN_PATH_KEY, classify_metadata, on_main_path, request_role_metadata
 from gyre_core.proxy.context_index import Match, answer_tail
 from gyre_core.proxy.interruptions import HandOffs, join, may_continue, remaining_params, settle
 from gyre_core.proxy.parse import parse_output
 from gyre_core.proxy.records import CallRecord, ExecutionRecords
-from gyre_core.proxy.render import ChatRenderer, tools_key
+from gyre_core.proxy.render import ChatRenderer, ContextTooLong, tools_key
 from gyre_core.proxy.routing import EngineRouter, NoEngineAvailable, RerouteResult
 from gyre_core.proxy.types import ChatMessage, ChatRequest, ChatResponse, ProxyError, Usage, recordable_headers
 from gyre_core.proxy.validate import validate_messages, validate_tools
@@ -135,6 +135,26 @@ class ProxyConfig:
     engine being restarted by the orchestrator's watchdog while the others train) before it
     fails with 503. With no engine registered at all the 503 is immediate."""
     max_body_bytes: int = 32 * 1024 * 1024
+    """Largest request body (413 beyond, checked from ``Content-Length`` before it is read)."""
+    max_connections: int = 4096
+    """Open connections, all executions together (fitted under the descriptor limit at start);
+    at the cap the oldest connection that has sent nothing is closed to make room."""
+    max_connections_per_execution: int = 64
+    """Connections one execution's requests may hold open (429 and a closed connection beyond)."""
+    max_calls_per_execution: int = 32
+    """Requests of one execution in flight at once (429 beyond): a harness with parallel subagents
+    stays far below it, a flood of calls does not pass it."""
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
+    """Request body bytes of one execution in flight at once (429 beyond): what one execution's
+    bodies can hold of the orchestrator's memory (plus their decoded copies) at any moment."""
+    header_timeout_s: float = 10.0
+    """From a connection's start (or its previous answer) to a complete request head; past it
+    the connection is closed (idle sockets, slowloris heads)."""
+    body_idle_timeout_s: float = 30.0
+    """Longest pause between two chunks of a request body (408 beyond)."""
+    prepare_workers: int = 4
+    """Threads that render and tokenise requests; each execution has at most one call among them
+    (queued or running), so one execution's huge requests occupy at most one of them."""
     continue_interrupted: bool = True
     """Continue a call its engine aborted (a role change) from its partial output on the
     execution's new engine, instead of generating it again from the prompt (see
@@ -268,9 +288,10 @@ class ProxyService:
     """The TITO proxy's core. Lives on one asyncio event loop.
 
     The one exception is :meth:`prepare` (rendering and tokenising, O(context)), which
-    :meth:`prepare_async` runs in a single worker thread so a large request never stalls the loop;
-    an execution's records are only read there under that execution's lock, which the loop also
-    holds while it records the execution's calls.
+    :meth:`prepare_async` runs in a pool of ``prepare_workers`` threads so a large request never
+    stalls the loop; an execution's records are only read there under that execution's lock, which
+    the loop also holds while it records the execution's calls. The tokenizer releases the GIL
+    while it encodes, so executions are prepared in parallel.
     """
 
     def __init__(
@@ -295,9 +316,13 @@ class ProxyService:
         self._stats = {"tail_renders": 0, "root_renders": 0, "full_render_fallbacks": 0,
                        "verified": 0, "verify_mismatches": 0, "verify_other_node": 0,
                        "continuation_fallbacks": 0}
-        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-prepare")
+        self._prepare_pool = ThreadPoolExecutor(max_workers=max(1, self.config.prepare_workers),
+                                                thread_name_prefix="gyre-prepare")
         self._prepare_turns: dict[str, list[Any]] = {}
-        """Per credential: ``[lock, callers]``, so one execution has one call in the worker's queue."""
+        """Per execution: ``[lock, callers]``, so one execution has one call in the pool's queue."""
+        self._stats_lock = threading.Lock()
+        self.wire_events = LimitEvents()
+        """Refusals by the HTTP layer's limits, per execution (see :meth:`limit_events`)."""
         self.handoffs = HandOffs()
         self.call_stats = CallStats()  # engine throughput and proxy latency, drained per step
         """Interrupted calls: KV hand-offs, continuations, re-prefills (the run summary's figures)."""
@@ -313,6 +338,10 @@ class ProxyService:
 
     def restore_engine(self, engine_url: str) -> None:
         self.router.restore(engine_url)
+
+    def _count(self, name: str) -> None:
+        with self._stats_lock:  # prepare runs in several threads
+            self._stats[name] += 1
 
     def inflight(self, engine_url: str) -> list[str]:
         return sorted(self._inflight.get(engine_url, {}))
@@ -367,6 +396,18 @@ class ProxyService:
     def forget(self, execution_id: int) -> None:
         self.close_execution(execution_id)
         del self._executions[execution_id]
+        self.wire_events.forget(execution_id)
+
+    def limit_events(self, execution_id: int) -> dict[str, int]:
+        """How often the execution was refused by a wire limit, by kind (``body_too_large``,
+        ``connections``, ``calls_in_flight``, ``body_bytes_in_flight``, ``body_timeout``). Each was
+        answered with a 4xx the harness can act on; none fails the run."""
+        return self.wire_events.of(execution_id)
+
+    def limit_summary(self) -> dict[str, Any]:
+        """Every refusal by kind, the connection-level events (evicted, refused, timed-out
+        heads) and the executions concerned."""
+        return self.wire_events.summary()
 
     def execution_ids(self) -> list[int]:
         return sorted(self._executions)
@@ -379,6 +420,10 @@ class ProxyService:
             return self._executions[execution_id]
         except KeyError:
             raise ProxyError(404, "not_found", f"no execution {execution_id}") from None
+
+    def execution_of_key(self, api_key: str) -> int | None:
+        """The open execution an API key belongs to, or None (the wire limits' lookup)."""
+        return self._by_key.get(_key_hash(api_key))
 
     def authenticate(self, api_key: str | None) -> str:
         """The execution id (as ``ChatRequest.execution_id``) an API key belongs to; else 401."""
@@ -403,7 +448,8 @@ class ProxyService:
 
     def role_of(self, execution_id: int, leaf_id: int) -> RoleClass:
         rec = self.records(execution_id)
-        leaf = ExecutionLeaf(execution_id, dict(rec.tree.node(leaf_id).metadata))
+        leaf = ExecutionLeaf(execution_id, {**rec.tree.node(leaf_id).metadata,
+                                            ON_MAIN_PATH_KEY: on_main_path(rec.tree, leaf_id)})
         role = self._classify(leaf) if self._classify is not None else None
         return RoleClass(role) if role is not None else default_role(leaf)
 
@@ -477,8 +523,19 @@ class ProxyService:
             messages = rec.payloads.restore(request.messages)
             tkey = tools_key(request.tools)
             match, rest, incremental, full = self._match_and_render(rec, messages, request.tools, tkey)
-            new_ids = self.renderer.encode(match.tail + rest)
-            input_ids = rec.path_ids(match.node_id) + new_ids
+            reused = rec.path_ids(match.node_id)
+            # the window is checked before the new text is encoded whole (``encode_within``): a
+            # prompt far past it costs a division or a few pieces' encoding, not its whole encoding
+            room = None if self.context_window is None else self.context_window - 1 - len(reused)
+            try:
+                new_ids = self.renderer.encode_within(match.tail + rest, room)
+            except ContextTooLong as exc:
+                raise ProxyError(
+                    400, "invalid_request",
+                    f"context_length_exceeded: the prompt has at least {len(reused) + exc.at_least} tokens, "
+                    f"the window is {self.context_window}",
+                ) from None
+            input_ids = reused + new_ids
         params = self._sampling(ex, request, len(input_ids))
         constrained = any(params.get(k) is not None for k in CONSTRAINT_KEYS)
         return PreparedCall(
@@ -500,26 +557,27 @@ class ProxyService:
 
             match = rec.index.match_messages(tkey, messages, equivalent)
             if match.node_id is None:
-                self._stats["root_renders"] += 1
+                self._count("root_renders")
                 prompt = r.render(messages, tools, add_generation_prompt=True)
                 return match, prompt, True, prompt
             rest = r.render_tail(messages, match.matched_messages, tools, add_generation_prompt=True,
                                  boundary=rec.index.segment(match.node_id), tkey=tkey)
             if rest is not None and self.verify_tail_renders <= 0:
-                self._stats["tail_renders"] += 1
+                self._count("tail_renders")
                 return match, rest, True, None
             if rest is not None:
-                self.verify_tail_renders -= 1
-                self._stats["verified"] += 1
+                with self._stats_lock:
+                    self.verify_tail_renders -= 1
+                self._count("verified")
                 full = r.render(messages, tools, add_generation_prompt=True)
                 if full == rec.index.path_text(match.node_id) + rest:
                     if rec.index.match(full).node_id != match.node_id:
-                        self._stats["verify_other_node"] += 1
-                    self._stats["tail_renders"] += 1
+                        self._count("verify_other_node")
+                    self._count("tail_renders")
                     return match, rest, True, full
-                self._stats["verify_mismatches"] += 1
+                self._count("verify_mismatches")
                 r.disable_tail_rendering("a tail render differed from the full render (checked at run time)")
-        self._stats["full_render_fallbacks"] += 1
+        self._count("full_render_fallbacks")
         prompt = r.render(messages, tools, add_generation_prompt=True)
         match = rec.index.match(prompt)
         return match, prompt[match.matched_chars:], False, prompt
@@ -621,7 +679,7 @@ class ProxyService:
                 if not canon_rest.startswith(rest):
                     return None, ""  # the template renders this answer differently from its prompt: a leaf for good
                 return canon_rest, answer_tail(canon_rest[len(rest):], sampled_text, r.eos_text)
-            self._stats["continuation_fallbacks"] += 1
+            self._count("continuation_fallbacks")
         try:
             prompt = call.full_prompt if call.full_prompt is not None else r.render(
                 call.messages, tools, add_generation_prompt=True)
