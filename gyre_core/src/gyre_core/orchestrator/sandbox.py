@@ -248,9 +248,10 @@ def wrap(argv: Sequence[str], sandbox: SandboxSpec, workdir: str, home: str, *, 
         bound.append(p)
     hidden = [os.path.realpath(h) for h in (*sandbox.hide, *(() if judge else sandbox.hide_from_harness))
               if os.path.exists(h)] + _sibling_runs(sandbox.hide)
-    # a file under an emptied folder is not there anyway (and binding /dev/null over it would make
-    # its folders, mode 0700, before the harness's own files are bound back into them)
-    hidden = [h for h in hidden if os.path.isdir(h) or not _under(h, emptied)]
+    # a file under an emptied folder, and under no folder bound back into it, is not there anyway
+    # (and binding /dev/null over it would make its folders, mode 0700, before the harness's own
+    # files are bound back into them)
+    hidden = [h for h in hidden if os.path.isdir(h) or not _under(h, emptied) or _under(h, bound)]
     for path in hidden:  # a folder under an empty tmpfs, a file under /dev/null
         args += ["--perms", "0755", "--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
     emptied += [h for h in hidden if os.path.isdir(h)]
