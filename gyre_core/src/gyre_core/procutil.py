@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["FdLimit", "die_with_parent", "fds_needed", "raise_fd_limit"]
+__all__ = ["FDS_BASE", "FdLimit", "die_with_parent", "fd_soft_limit", "fds_needed", "raise_fd_limit"]
 
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = int(signal.SIGKILL)
@@ -54,7 +54,15 @@ FD_CEILING = 1 << 20
 FDS_PER_ENGINE = 64
 """Descriptors one engine costs the orchestrator: its client's connection pool, pipes, logs."""
 FDS_BASE = 512
-"""Everything else the orchestrator opens (the same reserve the proxy keeps below the limit)."""
+"""Everything else the orchestrator opens: the proxy fits its connection cap this far below the limit."""
+
+
+def fd_soft_limit() -> int | None:
+    """The process's ``RLIMIT_NOFILE`` soft limit (None: unlimited)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def fds_needed(executions: int, connections_per_execution: int, engines: int) -> int:

@@ -168,36 +168,47 @@ def _errno_name(code: int) -> str:
     return errno.errorcode.get(code, str(code))
 
 
+def _syscall(name: str, *args: Any) -> str | None:
+    """``"ok"`` or the errno's name of a raw call (None: no such system call here); a ring or
+    descriptor it returns is closed."""
+    nr = _number(load_library(), name)
+    if nr < 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    ctypes.set_errno(0)
+    rc = libc.syscall(ctypes.c_long(nr), *(a if isinstance(a, ctypes.Array) else ctypes.c_long(a) for a in args))
+    if rc >= 0 and name == "io_uring_setup":
+        os.close(rc)
+    return "ok" if rc >= 0 else _errno_name(ctypes.get_errno())
+
+
+def _socket(family: int, kinds: tuple[int, ...] = (socket.SOCK_STREAM,)) -> str:
+    """``"ok"`` when a socket of ``family`` (of the first kind it supports) can be made, else the errno's name."""
+    got = "?"
+    for kind in kinds:
+        try:
+            socket.socket(family, kind).close()
+            return "ok"
+        except OSError as exc:
+            got = _errno_name(exc.errno or 0)
+    return got
+
+
 def probe_rules() -> dict[str, str]:
     """What each probed rule's call gives in this process (``"ok"`` or the errno's name), by
     ``syscall`` (socket families as ``socket:FAMILY``): the in-sandbox test compares each with
     its rule's answer."""
-    sc = load_library()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
     out: dict[str, str] = {}
     for rule in RULES:
         if rule.probe is None or rule.syscall in out:
             continue
-        nr = _number(sc, rule.syscall)
-        if nr < 0:
-            continue
-        ctypes.set_errno(0)
-        rc = libc.syscall(ctypes.c_long(nr), *(ctypes.c_long(a) for a in rule.probe))
-        out[rule.syscall] = "ok" if rc >= 0 else _errno_name(ctypes.get_errno())
-        if rc >= 0 and rule.syscall.startswith("io_uring_setup"):
-            os.close(rc)
+        got = _syscall(rule.syscall, *rule.probe)
+        if got is not None:
+            out[rule.syscall] = got
     for name, family in PROBED_FAMILIES.items():
         kinds = (socket.SOCK_RAW, socket.SOCK_DGRAM) if name in ("AF_NETLINK", "AF_PACKET") else (socket.SOCK_STREAM,)
-        got = "?"
-        for kind in kinds:
-            try:
-                socket.socket(family, kind).close()
-                got = "ok"
-                break
-            except OSError as exc:
-                got = _errno_name(exc.errno or 0)
-        out[f"socket:{name}"] = got
+        out[f"socket:{name}"] = _socket(family, kinds)
     try:
         socket.socketpair(socket.AF_INET, socket.SOCK_STREAM)
         out["socketpair:AF_INET"] = "ok"
@@ -210,7 +221,9 @@ def report() -> dict[str, Any]:
     """What this process is and may do, as the sandbox check wants to see it."""
     st = _status()
     libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
+    # a target that does not exist: the filter answers EPERM before any lookup, and the report run
+    # outside a sandbox by root (by mistake) mounts nothing
+    rc = libc.mount(b"none", b"/nonexistent-gyre-mount-probe", b"tmpfs", 0, None)
     mount = "allowed" if rc == 0 else ("refused" if ctypes.get_errno() in (errno.EPERM, errno.EACCES) else
                                        f"errno {ctypes.get_errno()}")
     try:
@@ -218,19 +231,10 @@ def report() -> dict[str, Any]:
         unix = "allowed"
     except PermissionError:
         unix = "refused"
-    try:
-        socket.socket(PROBED_FAMILIES["AF_NETLINK"], socket.SOCK_RAW).close()
-        netlink = "allowed"
-    except OSError as exc:
-        netlink = "refused" if exc.errno == errno.EPERM else _errno_name(exc.errno or 0)
-    libc.syscall.restype = ctypes.c_long
-    params = ctypes.create_string_buffer(120)  # struct io_uring_params
-    fd = libc.syscall(ctypes.c_long(_number(load_library(), "io_uring_setup")), ctypes.c_long(1), params)
-    if fd >= 0:
-        os.close(fd)
-    io_uring = "allowed" if fd >= 0 else ("refused" if ctypes.get_errno() in (errno.EPERM, errno.ENOSYS) else
-                                          _errno_name(ctypes.get_errno()))
-    return {"netlink_socket": netlink, "io_uring": io_uring,
+    netlink = _socket(PROBED_FAMILIES["AF_NETLINK"], (socket.SOCK_RAW,))
+    ring = _syscall("io_uring_setup", 1, ctypes.create_string_buffer(120))  # entries, struct io_uring_params
+    io_uring = "refused" if ring in (None, "EPERM", "ENOSYS") else ("allowed" if ring == "ok" else ring)
+    return {"netlink_socket": {"ok": "allowed", "EPERM": "refused"}.get(netlink, netlink), "io_uring": io_uring,
             "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
             "cap_eff": int(st.get("CapEff", "0"), 16), "cap_prm": int(st.get("CapPrm", "0"), 16),
             "cap_bnd": int(st.get("CapBnd", "0"), 16), "seccomp": int(st.get("Seccomp", "0")),

@@ -41,11 +41,11 @@ import asyncio
 import functools
 import json
 import math
-import resource
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping
 
+from gyre_core.procutil import FDS_BASE, fd_soft_limit
 from gyre_core.proxy.types import ProxyError
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "WireGuard",
     "WireLimits",
-    "fd_soft_limit",
     "guarded_h11_protocol",
     "MAX_JSON_DEPTH",
     "MAX_KEY_CHARS",
@@ -97,9 +96,6 @@ DRAIN_MAX_BYTES = 128 * 1024 * 1024
 sending more than any harness would). Discarding costs loop time, not memory."""
 DRAIN_TIMEOUT_S = 30.0
 """Longest time spent discarding the rest of a body after an early answer."""
-FD_RESERVE = 512
-"""Descriptors left to everything else the process opens (engine clients, logs, pipes) when the
-global connection cap is fitted under ``RLIMIT_NOFILE``."""
 CONNECTION_STATE = "gyre.connection"
 """Key of a request's connection (a :class:`GuardedH11Protocol`) in the ASGI scope's ``state``."""
 UVICORN_MAX_HEADER_EVENT = 1024 * 1024
@@ -411,12 +407,6 @@ class _Ticket:
     declared: bool = False
 
 
-def fd_soft_limit() -> int | None:
-    """The process's ``RLIMIT_NOFILE`` soft limit (None: unlimited)."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
 class WireGuard:
     """What both levels share (module docstring): the open connections, in the order they became
     idle, for the global cap; per execution its connections, calls and body bytes in flight.
@@ -430,9 +420,9 @@ class WireGuard:
         self.limits = limits
         self.identify = identify
         self.events = events
-        soft = fd_soft_limit()
+        soft = fd_soft_limit()  # the connections' cap leaves FDS_BASE to everything else
         self.max_connections = limits.max_connections if soft is None else \
-            max(16, min(limits.max_connections, soft - FD_RESERVE))
+            max(16, min(limits.max_connections, soft - FDS_BASE))
         """The global cap, fitted under the descriptor limit when this guard was made."""
         self._open: set[Any] = set()
         self._fresh: OrderedDict[Any, None] = OrderedDict()  # connected, no request head yet
