@@ -156,10 +156,21 @@ def test_body_decoding_and_credentials_of_the_shared_layer() -> None:
         (b'{"a": NaN}', "NaN is not a JSON number"),
         (b'{"a": "\\ud800"}', "lone surrogate"),
         (b"[" * 70 + b"]" * 70, "nested deeper than 64"),
+        (b"[" * 65 + b"]" * 65, "nested deeper than 64"),
+        (b'{"a": [1.5, 1e999]}', "out of range"),
+        (b'{"a": [{"b": ["x", "\\udfff"]}]}', "lone surrogate"),
+        (b'{"a": [{"\\uD800": 1}]}', "lone surrogate"),
     ]:
         with pytest.raises(ProxyError, match=needle) as info:
             decode_json(raw)
         assert info.value.status == 400 and info.value.kind == "invalid_request"
+    assert decode_json(b"[" * 64 + b"]" * 64) is not None  # 64 levels are allowed
+    assert decode_json(b'{"a": "\\u00e9 \\ud83d\\ude00"}') == {"a": "\u00e9 \U0001f600"}  # a pair is text
+    # a body of structure alone is refused by count, before it is parsed (413, like a long body)
+    with pytest.raises(ProxyError, match="arrays and objects") as info:
+        decode_json(b'{"m": [' + b"[]," * 100_000 + b"1]}")
+    assert info.value.status == 413 and info.value.kind == "request_too_large"
+    assert len(decode_json(b'{"m": [' + b"[]," * 99_000 + b"1]}")["m"]) == 99_001
     assert api_key_of({"x-api-key": " k "}) == "k"
     assert api_key_of({"authorization": "Bearer t"}) == "t"
     assert api_key_of({"authorization": "Basic t"}) is None

@@ -56,6 +56,7 @@ __all__ = [
     "WireGuard",
     "WireLimits",
     "guarded_h11_protocol",
+    "MAX_JSON_CONTAINERS",
     "MAX_JSON_DEPTH",
     "MAX_KEY_CHARS",
     "MAX_TOKENS_LIMIT",
@@ -83,6 +84,10 @@ MAX_KEY_CHARS = 512
 """Longest credential looked up; Gyre's keys are 48 characters (401 beyond, without a lookup)."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects in a body; tool schemas in practice stay below 20."""
+MAX_JSON_CONTAINERS = 100_000
+"""Most arrays and objects in a body (counted as ``[`` and ``{`` bytes, an upper bound; 413
+beyond). A 200K-token Claude Code conversation with its tool schemas holds a few tens of
+thousands, braces in its code included."""
 MAX_TOKENS_LIMIT = 2**31 - 1
 """Largest ``max_tokens`` a harness may send (it can only lower Gyre's own cap anyway)."""
 OFF_LOOP_BYTES = 256 * 1024
@@ -254,29 +259,49 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def check_json(obj: Any, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``obj`` if its nesting is at most ``max_depth`` and every string is valid Unicode.
+def _finite_float(text: str) -> float:
+    """``parse_float`` hook: ``1e999`` is valid JSON that Python reads as ``inf``, which no
+    tokenizer, sampler setting or recorder accepts."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("a number is out of range")
+    return value
 
-    Iterative (no recursion, whatever the depth). Lone UTF-16 surrogates (``"\\ud800"``) are legal
-    JSON escapes but no valid text: they would fail later, in the tokenizer or the recorder.
+
+def check_json(obj: Any, max_depth: int = MAX_JSON_DEPTH, *, texts: bool = True) -> Any:
+    """``obj`` if its nesting is at most ``max_depth``, every number is finite and (with
+    ``texts``) every string is valid Unicode.
+
+    Iterative (no recursion, whatever the depth), and it visits containers only: scalars are
+    filtered out in C, so a body's cost is its arrays and objects, which :func:`decode_json`
+    has already counted. Lone UTF-16 surrogates (``"\\ud800"``) are legal JSON escapes but no
+    valid text: they would fail later, in the tokenizer or the recorder.
     """
-    stack: list[tuple[Any, int, str]] = [(obj, 0, "body")]
-    while stack:
-        value, depth, where = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, where)
-        elif isinstance(value, (dict, list)):
-            if depth >= max_depth:
-                raise ProxyError(400, "invalid_request", f"{where}: nested deeper than {max_depth} levels")
+    level: list[Any] = [obj]
+    depth = 0
+    while level:
+        if depth >= max_depth:
+            raise ProxyError(400, "invalid_request", f"body: nested deeper than {max_depth} levels")
+        nested: list[Any] = []
+        for value in level:
             if isinstance(value, dict):
-                for k, v in value.items():
-                    _check_text(k, f"{where}: a key")
-                    stack.append((v, depth + 1, f"{where}.{k}" if len(where) < 200 else where))
+                if texts:
+                    for k in value:
+                        _check_text(k, "body: a key")
+                children = list(value.values())
+            elif isinstance(value, list):
+                children = value
             else:
-                for i, v in enumerate(value):
-                    stack.append((v, depth + 1, f"{where}[{i}]" if len(where) < 200 else where))
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ProxyError(400, "invalid_request", f"{where}: number out of range")
+                children = [value]
+            if texts:
+                for s in [c for c in children if type(c) is str]:
+                    _check_text(s, "body: a string")
+            for f in [c for c in children if type(c) is float]:
+                if not math.isfinite(f):
+                    raise ProxyError(400, "invalid_request", "body: number out of range")
+            nested += [c for c in children if type(c) is dict or type(c) is list]
+        level = nested
+        depth += 1
     return obj
 
 
@@ -287,20 +312,37 @@ def _check_text(s: str, where: str) -> None:
         raise ProxyError(400, "invalid_request", f"{where}: invalid Unicode (a lone surrogate)") from None
 
 
-def decode_json(raw: bytes) -> Any:
-    """Decode and check a body (see :func:`check_json`); any defect is a 400 naming it."""
+def _may_hold_surrogate(raw: bytes) -> bool:
+    """Whether ``raw`` (valid UTF-8) has a ``\\uD800``..``\\uDFFF`` escape: the only way a
+    decoded string can hold a surrogate. A cheap byte search spares a walk over every string."""
+    return b"\\ud" in raw or b"\\uD" in raw
+
+
+def decode_json(raw: bytes, max_containers: int = MAX_JSON_CONTAINERS) -> Any:
+    """Decode and check a body (see :func:`check_json`); any defect is a 400 naming it.
+
+    Arrays and objects are counted before the parse (every ``[`` and ``{`` byte, those inside
+    strings too, so the count is an upper bound): past ``max_containers`` the body is a 413.
+    Parsing and walking cost time and memory per container, and a body of 30 MB of ``[],``
+    would hold the interpreter for seconds and grow the process by a gigabyte.
+    """
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers > max_containers:
+        raise ProxyError(413, "request_too_large",
+                         f"request body has {containers} '[' and '{{' characters; at most {max_containers} "
+                         "arrays and objects are accepted")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProxyError(400, "invalid_request", f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise ProxyError(400, "invalid_request", f"request body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as exc:  # JSONDecodeError, a number too long to convert, NaN / Infinity
         reason = "a number is out of range" if "integer string conversion" in str(exc) else str(exc)
         raise ProxyError(400, "invalid_request", f"request body is not valid JSON: {reason}") from None
-    return check_json(obj)
+    return check_json(obj, texts=_may_hold_surrogate(raw))
 
 
 async def read_json(request: Any, max_bytes: int, *, empty: Any = None) -> Any:
