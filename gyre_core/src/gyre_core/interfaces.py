@@ -25,6 +25,10 @@ __all__ = [
     "EngineUnreachable",
     "ExecutionSpec",
     "GSPOConfig",
+    "OBJECTIVES",
+    "OBJECTIVE_CLIPS",
+    "ObjectiveConfig",
+    "SEQUENCE_OBJECTIVES",
     "GenerateResult",
     "HarnessEnds",
     "HarnessHandle",
@@ -226,22 +230,66 @@ class WeightsRef:
 # and a plugin reads fields, never keys.
 
 
-@dataclass(frozen=True)
-class GSPOConfig:
-    """The GSPO objective's settings (``training.importance_cap``, ``clip_low``, ``clip_high``);
-    the paper's by default: token weights capped at 5, clipping ``[0.995, 1.005]``."""
+OBJECTIVES = ("gspo", "grpo", "dapo", "cispo")
+"""The built-in objectives (``training.objective``); anything else is a ``file.py:function`` of the user's."""
 
+OBJECTIVE_CLIPS: dict[str, tuple[float, float]] = {
+    "gspo": (0.005, 0.005),  # the paper's execution-level bounds [0.995, 1.005]
+    "grpo": (0.2, 0.2),  # PPO's ε
+    "dapo": (0.2, 0.28),  # clip-higher
+    "cispo": (1.0, 0.28),  # no lower bound on the IS weight, only the upper one tuned (MiniMax-M1)
+}
+"""Each built-in objective's default ``(clip_low, clip_high)``."""
+
+SEQUENCE_OBJECTIVES = ("gspo",)
+"""Objectives whose clipping needs the whole execution's ratio (a split execution's other rows
+run forward only for it); the token-level ones need no such pass."""
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The objective a run trains on and its settings (``[training]``: ``objective``,
+    ``clip_low``, ``clip_high``, ``importance_cap``, ``token_normaliser``). The default is the
+    paper's execution-level GSPO: token weights capped at 5, clipping ``[0.995, 1.005]``."""
+
+    kind: str = "gspo"
+    """One of :data:`OBJECTIVES`, or ``custom`` (then ``custom`` names the function)."""
     token_weight_cap: float = 5.0
+    """GSPO: each token's detached weight π/π_b is capped here."""
     clip_low: float = 0.005
-    """ε_low: the lower clipping bound is ``1 − clip_low``."""
+    """ε_low: the lower bound is ``1 − clip_low`` (on the execution ratio for GSPO, on each
+    token's ratio for GRPO and DAPO, on each token's IS weight for CISPO)."""
     clip_high: float = 0.005
-    """ε_high: the upper clipping bound is ``1 + clip_high``."""
+    """ε_high: the upper bound is ``1 + clip_high``."""
+    token_normaliser: int = 1024
+    """DAPO and CISPO: every trained token weighs ``1 / (E · token_normaliser)`` (see
+    :mod:`gyre_core.dataplane.objective` for why not the batch's token count)."""
+    custom: str = ""
+    """``/absolute/path/file.py:function`` for ``kind == "custom"``."""
 
     def __post_init__(self) -> None:
+        if self.kind not in OBJECTIVES and self.kind != "custom":
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} or custom, got {self.kind!r}")
+        if (self.kind == "custom") != bool(self.custom):
+            raise ValueError("a custom objective names its function (file.py:function), and only a custom one does")
         if not self.token_weight_cap > 0:
             raise ValueError(f"token_weight_cap must be > 0, got {self.token_weight_cap}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        low_ok = 0 <= self.clip_low < 1 or (self.kind == "cispo" and self.clip_low == 1)  # an IS weight may reach 0
+        if not (low_ok and self.clip_high >= 0):
+            bound = "<= 1" if self.kind == "cispo" else "< 1"
+            raise ValueError(f"need 0 <= clip_low {bound} and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.token_normaliser < 1:
+            raise ValueError(f"token_normaliser must be >= 1, got {self.token_normaliser}")
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether clipping needs the whole execution's ratio (see :data:`SEQUENCE_OBJECTIVES`);
+        a custom objective is given it too, as ``outside_sums``."""
+        return self.kind in SEQUENCE_OBJECTIVES or self.kind == "custom"
+
+
+GSPOConfig = ObjectiveConfig
+"""The objective's settings under their first name (the default is GSPO)."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gyre_core.dataplane.objective import GSPOConfig
+from gyre_core.interfaces import ObjectiveConfig
 
 __all__ = ["as_item", "microstep_to_item"]
 
@@ -84,13 +84,14 @@ def _outside_chunks(pack: Any, multiple: int = 1) -> list[dict[str, torch.Tensor
     return out
 
 
-def microstep_to_item(ms: Any, dp_rank: int = 0, objective: GSPOConfig | None = None,
+def microstep_to_item(ms: Any, dp_rank: int = 0, objective: ObjectiveConfig | None = None,
                       multiple: int = 1) -> dict[str, Any]:
     """``{tokens, labels, loss_mask, behaviour_logprobs, advantages, exec_slots, n_executions,
-    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the run's GSPO settings
-    (the paper's when absent). A pack with parts of split
+    index}`` ([rows, longest row]) for ``ms.packs[dp_rank]``; ``objective`` is the run's objective
+    (the paper's GSPO when absent). A pack with parts of split
     executions adds ``outside``: forward-only items of their other rows (``ratio_only``), which
-    the stream runs before this one to complete each execution's ratio. Widths are padded to a
+    the stream runs before this one to complete each execution's ratio -- for the objectives that
+    clip on it (:attr:`~gyre_core.interfaces.ObjectiveConfig.sequence_level`) only. Widths are padded to a
     ``multiple`` of tokens (weight 0)."""
     pack = ms.packs[dp_rank]
     rows = pack.rows
@@ -100,12 +101,12 @@ def microstep_to_item(ms: Any, dp_rank: int = 0, objective: GSPOConfig | None = 
                             "index": torch.tensor(ms.index)}
     if objective is not None:
         item["objective"] = objective
-    if pack.outside:
+    if pack.outside and (objective is None or objective.sequence_level):
         item["outside"] = _outside_chunks(pack, multiple)
     return item
 
 
-def as_item(obj: Any, objective: GSPOConfig | None = None, multiple: int = 1) -> Any:
+def as_item(obj: Any, objective: ObjectiveConfig | None = None, multiple: int = 1) -> Any:
     """Claimed queue entries as schedule items: micro-steps converted, anything else as is."""
     if obj is not None and hasattr(obj, "packs") and hasattr(obj, "index"):
         return microstep_to_item(obj, objective=objective, multiple=multiple)

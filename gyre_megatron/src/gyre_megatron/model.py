@@ -269,12 +269,12 @@ def _per_token_loss(
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone()}
 
 
-def _gspo_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
+def _objective_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The core's objective on this micro-step (last pipeline stage): ``output_tensor`` is
     Megatron's per-token cross-entropy ``−log π(label)``, so the current log-probs are its
     negation, with gradient."""
-    from gyre_core.dataplane.objective import GSPOConfig, TokenBatch, microstep_objective
+    from gyre_core.dataplane.objective import ObjectiveConfig, TokenBatch, microstep_objective
 
     logprobs = -output_tensor.float().reshape(-1)
     labels = item["labels"].reshape(-1)
@@ -286,7 +286,7 @@ def _gspo_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
         exec_slots=item["exec_slots"].reshape(-1),
         n_executions=int(item["n_executions"]),
     )
-    config = item.get("objective") or GSPOConfig()
+    config = item.get("objective") or ObjectiveConfig()
     loss, stats = microstep_objective(logprobs, batch, config, item.get("outside_sums"))
     n = (batch.loss_weights > 0).sum().to(torch.int)
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone(), **stats}
@@ -332,7 +332,7 @@ def tempered_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, temperatu
 def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
     """Megatron forward-step function for an item ``{tokens, labels, loss_mask, ...}`` ([rows, S]).
 
-    Data-plane items (they carry ``advantages``) are trained on the GSPO objective; plain items
+    Data-plane items (they carry ``advantages``) are trained on the run's objective; plain items
     on the per-token loss ``Σ mask · (−log π)``."""
     item = next(data_iterator)
     if torch.cuda.is_available():  # the control channel delivers items in host memory
@@ -348,5 +348,5 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
     if "ratio_only" in item:
         return out, partial(_ratio_sums, item)
     if "advantages" in item:
-        return out, partial(_gspo_loss, item)
+        return out, partial(_objective_loss, item)
     return out, partial(_per_token_loss, item["loss_mask"])

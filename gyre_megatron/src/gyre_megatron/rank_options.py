@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyre_core.interfaces import GSPOConfig, MooncakeOptions
+from gyre_core.interfaces import MooncakeOptions, ObjectiveConfig
 from gyre_megatron.model import ModelSpec
 
 __all__ = ["RankOptions"]
@@ -34,9 +34,10 @@ class RankOptions:
     """An HF checkpoint directory (a family of :mod:`gyre_megatron.families`) whose weights every
     cell starts from (empty: ``spec``'s seeded random init). ``spec`` must be
     :func:`gyre_megatron.hf_import.spec_from_hf_dir`'s."""
-    objective: GSPOConfig = GSPOConfig()
-    """GSPO settings for data-plane micro-steps (``training.importance_cap``, ``clip_low``,
-    ``clip_high``), built once from the run configuration and handed as is to every loss."""
+    objective: ObjectiveConfig = ObjectiveConfig()
+    """The objective of data-plane micro-steps and its settings (``training.objective``,
+    ``clip_low``, ``clip_high``, ...), built once from the run configuration and handed as is to
+    every loss."""
     mooncake: MooncakeOptions = MooncakeOptions()
     """Each rank's Mooncake endpoint for satellite joins (an empty ``host``: every rank advertises
     its own node's address, see :func:`gyre_core.transfer_endpoint.advertised_host`)."""

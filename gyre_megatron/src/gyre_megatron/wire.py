@@ -58,12 +58,12 @@ def wire_types() -> dict[str, type]:
     """The classes a frame may name: what crosses between the orchestrator and its ranks."""
     from gyre_core.dataplane.materialise import TrainingRow
     from gyre_core.dataplane.packing import MicroStep, Pack
-    from gyre_core.interfaces import EngineOptions, GSPOConfig, MooncakeOptions, RoleClass
+    from gyre_core.interfaces import EngineOptions, MooncakeOptions, ObjectiveConfig, RoleClass
     from gyre_core.trajectory import TrajectoryRow
     from gyre_megatron.model import ModelSpec
     from gyre_megatron.rank_options import RankOptions
 
-    return {c.__name__: c for c in (RankOptions, ModelSpec, GSPOConfig, MooncakeOptions, EngineOptions, MicroStep,
+    return {c.__name__: c for c in (RankOptions, ModelSpec, ObjectiveConfig, MooncakeOptions, EngineOptions, MicroStep,
                                     Pack, TrainingRow, TrajectoryRow, RoleClass)}
 
 

@@ -32,20 +32,64 @@ the trainer runs them forward only, without gradient, and passes their sums as `
 :func:`microstep_objective`, so every part is clipped on the whole execution's ``s_e``, whichever
 cell trains it. π_θ is fixed during a step (the optimizer updates once per step), so every part
 sees the same ratio. The cost is one extra forward of a split execution's other rows per part.
+
+**The other objectives** (``training.objective``), all on the same rows, advantages and
+``r_t = exp(δ_t)``; the token-level ones need no whole-execution ratio, so a split execution's
+other rows are not run for them:
+
+* ``grpo`` (DeepSeekMath; verl/slime's default): PPO's per-token clip,
+  ``loss = −Σ_t W_t · min(r_t A_e, clip(r_t, 1−ε_low, 1+ε_high) A_e)``, ε = 0.2. With ``W_t`` this
+  is GRPO's mean over each sample's tokens then over samples, the sample being the execution.
+* ``dapo`` (DAPO): the same per-token clip with clip-higher (ε_low 0.2, ε_high 0.28) and
+  token-level normalisation: every trained token weighs ``V_t = 1 / (E · L)``, ``L =
+  training.token_normaliser``, so a long execution counts for more than a short one. DAPO divides
+  by the batch's token count instead; a streamed step trains its first groups before the last
+  ones have finished, when that count is not known yet, so Gyre divides by a constant, as
+  Dr. GRPO does: the same gradient direction as DAPO's token mean, scaled by ``T / (E · L)``.
+  DAPO's dynamic sampling is what Gyre's groups already do for equal rewards (zero advantages,
+  no gradient); its overlong shaping is a reward decision, left to the task's reward.
+* ``cispo`` (MiniMax-M1): no token is dropped; the IS weight is clipped and detached,
+  ``loss = −Σ_t V_t · sg(clip(r_t, 1−ε_low, 1+ε_high)) · A_e · log π_θ(t)`` (ε_low 1: no lower
+  bound; ε_high 0.28), token-level normalised as DAPO.
+* a function of the user's (``"file.py:function"``, :func:`load_custom_objective`), called per
+  micro-step by keyword with ``logprobs`` (with gradient), ``behaviour_logprobs``,
+  ``advantages``, ``loss_weights`` (``W_t``), ``exec_ids`` (each token's execution slot
+  ``0..E−1``), ``n_executions`` and ``outside_sums`` (:func:`log_ratio_sums` of a split
+  execution's rows held elsewhere, or ``None``), returning this micro-step's share of the loss: a
+  scalar whose sum over micro-steps is the batch loss.
+
+Whatever the objective, the figures carry the sampler–trainer gap on the trained tokens:
+``|δ_t|`` (sum and max) and the K3 estimate of KL(π_b ‖ π_θ), ``r_t − 1 − δ_t``, per token
+(Schulman's k3: unbiased, never negative, for tokens sampled from π_b).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
-from gyre_core.interfaces import GSPOConfig  # the settings are an option across the plugin seam
+# the settings are an option across the plugin seam
+from gyre_core.interfaces import OBJECTIVE_CLIPS, OBJECTIVES, GSPOConfig, ObjectiveConfig
+
+CUSTOM_ARGUMENTS = ("logprobs", "behaviour_logprobs", "advantages", "loss_weights", "exec_ids",
+                    "n_executions", "outside_sums")
+"""The keywords a custom objective is called with."""
 
 __all__ = [
+    "CUSTOM_ARGUMENTS",
     "GSPOConfig",
+    "OBJECTIVES",
+    "OBJECTIVE_CLIPS",
+    "ObjectiveConfig",
+    "load_custom_objective",
+    "objective_loss",
     "TokenBatch",
     "group_advantages",
     "gspo_loss",
@@ -145,13 +189,102 @@ def gspo_loss(
     return -(w * torch.where(clipped, 0.0, adv) * surrogate).sum()
 
 
+def _token_weights(batch: TokenBatch, config: ObjectiveConfig, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token loss weights: ``W_t`` (per-execution mean) for GRPO, ``V_t = 1 / (E · L)`` on the
+    same trained tokens for the token-normalised DAPO and CISPO."""
+    w = batch.loss_weights.to(dtype)
+    if config.kind in ("dapo", "cispo"):
+        v = torch.full_like(w, 1.0 / (batch.n_executions * config.token_normaliser))
+        return torch.where(w > 0, v, torch.zeros_like(w))
+    return w
+
+
+def _token_clipped(ratio: torch.Tensor, adv: torch.Tensor, config: ObjectiveConfig) -> torch.Tensor:
+    """Tokens a token-level objective clipped: PPO's clip branch taken (GRPO, DAPO: the ratio
+    left its bound in the direction of the advantage), or a CISPO weight truncated."""
+    lo, hi = 1 - config.clip_low, 1 + config.clip_high
+    if config.kind == "cispo":
+        return (ratio < lo) | (ratio > hi)
+    return ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
+
+
+def token_level_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig) -> torch.Tensor:
+    """GRPO, DAPO or CISPO: this micro-step's share of the batch loss (see the module docstring)."""
+    dtype = logprobs.dtype
+    v = _token_weights(batch, config, dtype)
+    adv = batch.advantages.to(dtype)
+    delta = _deltas(logprobs, batch)  # with gradient; 0 off the trained tokens
+    lo, hi = 1 - config.clip_low, 1 + config.clip_high
+    if config.kind == "cispo":
+        weight = torch.exp(delta.detach()).clamp(min=lo, max=hi)
+        trained = torch.where(v > 0, logprobs, torch.zeros_like(logprobs))  # no 0 · inf off the targets
+        return -(v * weight * adv * trained).sum()
+    ratio = torch.exp(delta)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+    return -(v * surrogate).sum()
+
+
+@functools.lru_cache(maxsize=8)
+def load_custom_objective(spec: str) -> Callable[..., torch.Tensor]:
+    """The function ``spec`` names (``/path/file.py:function``), checked to take
+    :data:`CUSTOM_ARGUMENTS` by keyword; a ``ValueError`` naming what is wrong otherwise.
+    Loaded once per process (each trainer rank imports the file)."""
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"objective {spec!r}: expected file.py:function")
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"objective {spec!r}: {path} is not a file")
+    module_spec = importlib.util.spec_from_file_location(f"gyre_user_objective_{abs(hash(str(path)))}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"objective {spec!r}: {path} cannot be imported")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file: any failure is named, not raised raw
+        raise ValueError(f"objective {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"objective {spec!r}: {path} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind(**{k: None for k in CUSTOM_ARGUMENTS})
+    except TypeError as exc:
+        raise ValueError(f"objective {spec!r}: {name} must accept the keywords {', '.join(CUSTOM_ARGUMENTS)} "
+                         f"({exc})") from None
+    return fn
+
+
+def _custom_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig,
+                 outside_sums: torch.Tensor | None) -> torch.Tensor:
+    fn = load_custom_objective(config.custom)
+    loss = fn(logprobs=logprobs, behaviour_logprobs=batch.behaviour_logprobs.to(logprobs.dtype),
+              advantages=batch.advantages.to(logprobs.dtype), loss_weights=batch.loss_weights.to(logprobs.dtype),
+              exec_ids=batch.exec_slots, n_executions=batch.n_executions, outside_sums=outside_sums)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise ValueError(f"objective {config.custom!r} must return a one-element tensor with gradient, "
+                         f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+    return loss.reshape(())
+
+
+def objective_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig,
+                   ratio_sums: torch.Tensor, outside_sums: torch.Tensor | None = None) -> torch.Tensor:
+    """This micro-step's share of the batch loss under ``config.kind``; ``ratio_sums`` are the
+    whole executions' :func:`log_ratio_sums` (GSPO's clip), ``outside_sums`` the part held
+    elsewhere (given to a custom objective)."""
+    if config.kind == "gspo":
+        return gspo_loss(logprobs, batch, ratio_sums, config)
+    if config.kind == "custom":
+        return _custom_loss(logprobs, batch, config, outside_sums)
+    return token_level_loss(logprobs, batch, config)
+
+
 def microstep_objective(
     logprobs: torch.Tensor,
     batch: TokenBatch,
-    config: GSPOConfig = GSPOConfig(),
+    config: ObjectiveConfig = ObjectiveConfig(),
     outside_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This pack's share of the batch loss, and its figures.
+    """This pack's share of the batch loss under ``config``'s objective, and its figures.
 
     ``outside_sums`` (shape ``(2, E)``) are :func:`log_ratio_sums` of the rows of this pack's split
     executions that other packs hold (the trainer's forward-only pass over
@@ -159,33 +292,58 @@ def microstep_objective(
     whole-execution ``s_e``. Without them the ratio is taken over the rows in this pack, which is
     exact for every execution the packer kept whole.
 
-    The figures (detached, additive over packs except ``ratio_max``): ``loss``; ``executions``
-    and ``clipped`` (executions with a trainable token here, and those whose ``s_e`` left the
-    bounds in the direction of their advantage; a split execution counts in each pack by the
-    share of its weight ``Σ W_t`` held there, so the parts add up to one execution);
-    ``ratio_sum``, ``ratio_max`` and ``tokens`` over the weighted tokens' raw ratios ``π/π_b``.
+    The figures (detached, additive over packs except the maxima): ``loss``; ``executions``
+    and ``clipped`` (executions with a trainable token here, and, for GSPO, those whose ``s_e``
+    left the bounds in the direction of their advantage; for the token-level objectives each
+    execution's share of its tokens clipped; a split execution counts in each pack by the share
+    of its weight ``Σ W_t`` held there, so the parts add up to one execution); ``clipped_tokens``;
+    ``ratio_sum``, ``ratio_max`` and ``tokens`` over the weighted tokens' raw ratios ``π/π_b``;
+    ``abs_delta_sum``, ``abs_delta_max`` and ``k3_sum``, the sampler–trainer gap on them. A
+    custom objective's clipping is its own: it reports none.
     """
     here = log_ratio_sums(logprobs, batch)
     sums = here if outside_sums is None else here + outside_sums.to(here.dtype)
-    loss = gspo_loss(logprobs, batch, sums, config)
+    loss = objective_loss(logprobs, batch, config, sums, outside_sums)
     with torch.no_grad():
         present = here[1] > 0
         tiny = torch.finfo(sums.dtype).tiny
         log_s = torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(tiny), 0.0)
         s = torch.exp(log_s)
-        total_w = sums[1].to(torch.float64)
-        share = torch.where(present, here[1].to(torch.float64) / total_w.clamp_min(tiny), 0.0)  # 1 if whole
-        adv = torch.zeros(batch.n_executions, dtype=sums.dtype, device=sums.device)
-        adv[batch.exec_slots] = batch.advantages.to(sums.dtype)  # one advantage per execution
-        clipped = present & (((adv > 0) & (s > 1 + config.clip_high)) | ((adv < 0) & (s < 1 - config.clip_low)))
+        if config.sequence_level:  # the outside sums complete each execution's Σ W_t
+            total_w = sums[1].to(torch.float64)
+            share = torch.where(present, here[1].to(torch.float64) / total_w.clamp_min(tiny), 0.0)  # 1 if whole
+        else:  # no outside pass: an execution's W_t sum to 1/E, so E · Σ W_t here is its share
+            share = here[1].to(torch.float64) * batch.n_executions
         weighted = batch.loss_weights > 0
-        ratio = torch.exp(_deltas(logprobs.detach(), batch))[weighted]
+        delta = _deltas(logprobs.detach(), batch)
+        ratio_all = torch.exp(delta)
+        adv_t = batch.advantages.to(sums.dtype)
+        if config.kind == "gspo" or config.kind == "custom":
+            adv = torch.zeros(batch.n_executions, dtype=sums.dtype, device=sums.device)
+            adv[batch.exec_slots] = adv_t  # one advantage per execution
+            clipped_exec = present & (((adv > 0) & (s > 1 + config.clip_high)) | ((adv < 0) & (s < 1 - config.clip_low)))
+            if config.kind == "custom":  # its clipping is its own: none is claimed
+                clipped_exec = torch.zeros_like(clipped_exec)
+            clipped_tok = clipped_exec[batch.exec_slots] & weighted
+            clipped = (share * clipped_exec).sum()
+        else:
+            clipped_tok = _token_clipped(ratio_all, adv_t, config) & weighted
+            # each execution's share of its tokens clipped (W_t · E sums to 1 over an execution)
+            clipped = (batch.loss_weights.to(torch.float64) * batch.n_executions * clipped_tok).sum()
+        ratio = ratio_all[weighted]
+        d = delta[weighted].to(torch.float64)
+        zero = torch.zeros((), dtype=torch.float64)
         stats = {
             "loss": loss.detach().to(torch.float64),
             "executions": share.sum(),
-            "clipped": (share * clipped).sum(),
+            "clipped": clipped,
+            "clipped_tokens": clipped_tok.sum().to(torch.float64),
             "ratio_sum": ratio.to(torch.float64).sum(),
-            "ratio_max": ratio.max().to(torch.float64) if len(ratio) else torch.zeros((), dtype=torch.float64),
+            "ratio_max": ratio.max().to(torch.float64) if len(ratio) else zero,
             "tokens": weighted.sum().to(torch.float64),
+            # the sampler–trainer gap on the trained tokens (see the module docstring)
+            "abs_delta_sum": d.abs().sum(),
+            "abs_delta_max": d.abs().max() if len(d) else zero,
+            "k3_sum": (torch.exp(d) - 1 - d).sum(),
         }
     return loss, stats

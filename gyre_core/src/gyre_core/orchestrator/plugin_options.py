@@ -12,7 +12,6 @@ from typing import Any, Callable, Mapping
 
 from gyre_core.interfaces import (
     EngineOptions,
-    GSPOConfig,
     LaunchOptions,
     MooncakeOptions,
     PublicationOptions,
@@ -55,8 +54,8 @@ def training_options(cfg: RunConfig, out: Path, model: Mapping[str, Any],
         cells=cfg.scheduler.cells, model=dict(model),
         init_from=str(Path(cfg.model.dir).resolve()) if cfg.model.dir else "",
         pp=t.pp, tp=t.tp, ep=t.ep, precision=t.precision, lr=t.lr, clip_grad=t.clip_grad,
-        objective=GSPOConfig(token_weight_cap=t.importance_cap, clip_low=t.clip_low, clip_high=t.clip_high),
-        # the GSPO objective's W_t already normalise per execution: no division by tokens
+        objective=t.objective_config(),
+        # the objective's weights (W_t, or V_t) already normalise the loss: no division by tokens
         normalise_by_tokens=False,
         burst_steps=cfg.scheduler.steps_per_burst,
         # one micro-step queue per step, plus the re-streams of steps that lost a cell

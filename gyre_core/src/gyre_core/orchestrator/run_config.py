@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gyre_core.config import ConfigError, SchedulerConfig
+from gyre_core.interfaces import OBJECTIVE_CLIPS, OBJECTIVES, ObjectiveConfig
 
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
@@ -184,12 +185,30 @@ class TrainingSection(_Section):
     collective_timeout_s: float = Field(60.0, gt=0)
     """How long a gradient collective waits for a peer: a satellite that died mid-step is given
     up on within about this, and the step finishes on the cells that survived."""
+    objective: str = "gspo"
+    """``gspo`` (execution-level, the default), ``grpo``, ``dapo``, ``cispo``, or
+    ``"file.py:function"``: a loss of the user's own (see README, "Objectives")."""
     importance_cap: float = Field(5.0, gt=0)
     """GSPO: each token's importance weight π/π_behaviour is capped here."""
-    clip_low: float = Field(0.005, ge=0, lt=1)
-    """GSPO: an execution whose ratio falls below 1 − clip_low with a negative advantage is clipped."""
-    clip_high: float = Field(0.005, ge=0)
-    """GSPO: an execution whose ratio rises above 1 + clip_high with a positive advantage is clipped."""
+    clip_low: float | None = Field(None, ge=0, le=1)
+    """ε_low; unset: the objective's own (GSPO 0.005, GRPO 0.2, DAPO 0.2, CISPO 1: no lower bound).
+    GSPO clips an execution whose ratio falls below 1 − clip_low with a negative advantage; GRPO
+    and DAPO a token's ratio; CISPO truncates each token's IS weight there."""
+    clip_high: float | None = Field(None, ge=0)
+    """ε_high; unset: the objective's own (GSPO 0.005, GRPO 0.2, DAPO 0.28, CISPO 0.28)."""
+    token_normaliser: int = Field(1024, ge=1)
+    """DAPO and CISPO: each trained token weighs 1 / (executions per step × token_normaliser),
+    a constant, since a streamed step is trained before its token count is known."""
+
+    def objective_config(self) -> ObjectiveConfig:
+        """The objective's settings, with each unset bound the objective's own."""
+        builtin = self.objective in OBJECTIVES
+        low, high = OBJECTIVE_CLIPS.get(self.objective, OBJECTIVE_CLIPS["gspo"])
+        return ObjectiveConfig(
+            kind=self.objective if builtin else "custom", custom="" if builtin else self.objective,
+            token_weight_cap=self.importance_cap, token_normaliser=self.token_normaliser,
+            clip_low=low if self.clip_low is None else self.clip_low,
+            clip_high=high if self.clip_high is None else self.clip_high)
 
 
 class ServingSection(_Section):
@@ -441,6 +460,21 @@ class RunConfig:
                 load_trace(self.harness.trace)
             except (TraceError, OSError) as exc:
                 raise ConfigError(f"harness.trace: {exc}") from None
+        if self.training.objective not in OBJECTIVES:  # the user's own: file.py:function
+            path, sep, name = self.training.objective.rpartition(":")
+            need(bool(sep) and path.endswith(".py"), "training.objective",
+                 f"expected one of {', '.join(OBJECTIVES)} or \"file.py:function\", got {self.training.objective!r}")
+            self.training.objective = f"{_absolute_if_file(path, config_dir)}:{name}"
+            from gyre_core.dataplane.objective import load_custom_objective  # torch: only for a custom loss
+
+            try:
+                load_custom_objective(self.training.objective)
+            except ValueError as exc:
+                raise ConfigError(f"training.objective: {exc}") from None
+        try:
+            self.training.objective_config()
+        except ValueError as exc:
+            raise ConfigError(f"training.clip_low: {exc}") from None
         need(self.training.ep in (1, self.training.tp), "training.ep",
              f"must be 1 or training.tp ({self.training.tp}): expert parallelism runs on the tensor-parallel ranks")
         need(self.training.ep == 1 or bool(self.model.dir), "training.ep",

@@ -15,11 +15,14 @@ __all__ = ["training_figures"]
 def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """A step's training figures from its cells' per-rank statistics (each cell's last stage
     reports its objective figures, the core its gradient norm): loss, grad norm, the fraction of
-    executions clipped, mean and max importance ratio π/π_b over trained tokens, tokens trained.
-    ``None`` where a backend reported nothing."""
-    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "tokens": 0.0,
+    executions clipped (for a token-level objective: the mean share of an execution's tokens) and
+    of tokens, mean and max importance ratio π/π_b over trained tokens, tokens trained, and the
+    sampler–trainer gap on them (mean and max |log π_θ − log π_b|, the K3 estimate of
+    KL(π_b ‖ π_θ) per token). ``None`` where a backend reported nothing."""
+    total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "clipped_tokens": 0.0,
+                               "ratio_sum": 0.0, "tokens": 0.0, "abs_delta_sum": 0.0, "k3_sum": 0.0,
                                "ratio_pass_tokens": 0.0, "ratio_pass_s": 0.0}
-    ratio_max, grad_norm, seen = 0.0, None, False
+    ratio_max, delta_max, grad_norm, seen = 0.0, 0.0, None, False
     for infos in cell_infos:
         for info in infos:
             fig = info.get("objective")
@@ -28,18 +31,26 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
                 for k in total:
                     total[k] += float(fig.get(k, 0.0))
                 ratio_max = max(ratio_max, float(fig.get("ratio_max", 0.0)))
+                delta_max = max(delta_max, float(fig.get("abs_delta_max", 0.0)))
             if info.get("grad_norm") is not None:
                 grad_norm = float(info["grad_norm"])
     if not seen:
-        return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "ratio_mean": None,
-                "ratio_max": None, "tokens": None, "ratio_pass_tokens": None, "ratio_pass_s": None}
+        return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "token_clip_fraction": None,
+                "ratio_mean": None, "ratio_max": None, "tokens": None, "logp_diff_mean": None,
+                "logp_diff_max": None, "kl_k3": None, "ratio_pass_tokens": None, "ratio_pass_s": None}
+    tokens = total["tokens"]
     return {
         "loss": round(total["loss"], 6),
         "grad_norm": None if grad_norm is None else round(grad_norm, 6),
         "clip_fraction": round(total["clipped"] / total["executions"], 4) if total["executions"] else None,
-        "ratio_mean": round(total["ratio_sum"] / total["tokens"], 4) if total["tokens"] else None,
-        "ratio_max": round(ratio_max, 4) if total["tokens"] else None,
-        "tokens": int(total["tokens"]),
+        "token_clip_fraction": round(total["clipped_tokens"] / tokens, 4) if tokens else None,
+        "ratio_mean": round(total["ratio_sum"] / tokens, 4) if tokens else None,
+        "ratio_max": round(ratio_max, 4) if tokens else None,
+        "tokens": int(tokens),
+        # the sampler–trainer gap on the trained tokens (with the policy's drift for stale ones)
+        "logp_diff_mean": round(total["abs_delta_sum"] / tokens, 6) if tokens else None,
+        "logp_diff_max": round(delta_max, 6) if tokens else None,
+        "kl_k3": round(total["k3_sum"] / tokens, 8) if tokens else None,
         # the forward-only pass that gives split executions their whole-execution ratio
         "ratio_pass_tokens": int(total["ratio_pass_tokens"]),
         "ratio_pass_s": round(total["ratio_pass_s"], 3),
