@@ -26,8 +26,14 @@ import torch
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 pytest.importorskip("transformers")
 
-from gyre_core.dataplane.objective import GSPOConfig, gspo_loss, log_ratio_sums, target_logprobs  # noqa: E402
-from gyre_core.interfaces import PublicationOptions  # noqa: E402
+from gyre_core.dataplane.objective import (  # noqa: E402
+    GSPOConfig,
+    ObjectiveConfig,
+    log_ratio_sums,
+    objective_loss,
+    target_logprobs,
+)
+from gyre_core.interfaces import OBJECTIVE_CLIPS, PublicationOptions  # noqa: E402
 from gyre_megatron.testing import make_gspo_microsteps  # noqa: E402
 
 # Executions 0-7 over 4 micro-steps of 2 executions each. Offsets set s_e = exp(offset):
@@ -68,7 +74,7 @@ def world(request, tmp_path_factory):
                            normalise_by_tokens=False)
     else:
         opts = RankOptions(cells=1, pp=int(request.param[-1]), normalise_by_tokens=False)
-    with World(opts, n_queues=8) as w:
+    with World(opts, n_queues=11) as w:
         ref = publish(w, PublicationOptions(folder=str(tmp_path_factory.mktemp("gspo"))), version=0)
         hf = load_hf_model(ref.location).double()
         yield w, hf
@@ -106,15 +112,15 @@ def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig
         lps.append(torch.cat(rows))
     sums = [log_ratio_sums(lp, b) for lp, b in zip(lps, batches)]
     total = sum(sums)
-    loss = sum(gspo_loss(lp, b, s if per_pack else total, config) for lp, b, s in zip(lps, batches, sums))
+    loss = sum(objective_loss(lp, b, config, s if per_pack else total) for lp, b, s in zip(lps, batches, sums))
     loss.backward()
     return float(loss.detach()), _per_expert({n: p.grad.detach().numpy().copy() for n, p in hf.named_parameters()
                                               if p.grad is not None})
 
 
-def _megatron(w, micro: list, queue: int) -> tuple[dict, dict]:
+def _megatron(w, micro: list, queue: int, objective: ObjectiveConfig | None = None) -> tuple[dict, dict]:
     core = w.ranks_of(0)
-    tk = w.submit(core, "stream_grads_hf", queue)
+    tk = w.submit(core, "stream_grads_hf", queue, objective)
     q = w.queues[queue]
     for m in micro:
         q.put(m)
@@ -162,6 +168,28 @@ def test_split_executions_are_clipped_on_their_whole_ratio(world) -> None:
     # executions, not parts: the split ones count once each
     assert fig["executions"] == pytest.approx(len(SPLIT_OFFSETS)) and fig["clipped"] == pytest.approx(SPLIT_CLIPPED)
     assert fig["ratio_pass_tokens"] > 0
+
+
+def test_token_level_objectives_equal_their_reference_without_the_ratio_pass(world) -> None:
+    """GRPO, DAPO and CISPO on the split executions: Megatron's gradient equals the float64
+    reference of each (the core's objective on HF's model), and no split execution's other rows
+    are run forward, since none of them clips on the whole execution's ratio. Their offsets put
+    token ratios on both sides of GSPO's bounds; a token far past the cap is past every other."""
+    w, hf = world
+    micro = make_gspo_microsteps(hf, SPLIT_OFFSETS, SPLIT_ADVANTAGES, split=SPLIT, spike={4: 0.6}, seed=9)
+    for queue, kind in enumerate(("grpo", "dapo", "cispo"), start=8):
+        low, high = OBJECTIVE_CLIPS[kind]
+        cfg = ObjectiveConfig(kind=kind, clip_low=low, clip_high=high, token_normaliser=8)
+        ref_loss, ref_grads = _reference(hf, micro, cfg)
+        grads, fig = _megatron(w, micro, queue, cfg)
+        scale = max(float(np.abs(g).max()) for g in ref_grads.values())
+        print(f"\n{kind} pp{w.opts.pp}: grad max|diff| {_worst(grads, ref_grads):.3g} of max|g| {scale:.3g}; {fig}")
+        assert scale > 1e-5
+        assert _worst(grads, ref_grads) <= 1e-5 * scale
+        assert fig["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
+        assert fig["ratio_pass_tokens"] == 0 and fig["executions"] == pytest.approx(len(SPLIT_OFFSETS))
+        assert fig["clipped_tokens"] >= 1  # the spike's token (ratio e^0.6: past 1.28)
+        assert fig["k3_sum"] > 0 and fig["abs_delta_max"] == pytest.approx(0.6 + SPLIT_OFFSETS[4], rel=1e-3)
 
 
 def test_calls_sampled_at_a_temperature_are_trained_at_it(world) -> None:

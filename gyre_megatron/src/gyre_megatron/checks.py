@@ -90,11 +90,12 @@ class RankChecks:
         """Core, with ``keep_update_grads``: the last update's gradient (HF names), as the optimizer got it."""
         return dict(getattr(self, "update_grads", {}))
 
-    def stream_grads_hf(self, queue_idx: int) -> dict[str, Any]:
+    def stream_grads_hf(self, queue_idx: int, objective: Any = None) -> dict[str, Any]:
         """Cell-local: stream the queue through the pipeline, return the gradients (HF names)
-        and, on the last stage, the objective's figures; applies no update, leaves no grads."""
+        and, on the last stage, the objective's figures; applies no update, leaves no grads.
+        ``objective``: an :class:`~gyre_core.interfaces.ObjectiveConfig` in place of the run's."""
         self.zero_grads()
-        res = self._stream(self._control(queue_idx))
+        res = self._stream(self._control(queue_idx, objective=objective))
         self._sum_tensor_partial_grads()  # as a step does before its update
         out: dict[str, Any] = {"grads": self.grads_hf(), "micro_steps": res.micro_steps}
         if self.rank == self.last:

@@ -219,15 +219,17 @@ class CellRank(RankChecks):
         seq = item["tokens"].shape[1] // (self.opts.tp if self.config.sequence_parallel else 1)
         return [(seq, item["tokens"].shape[0], self.config.hidden_size)]
 
-    def _control(self, queue_idx: int | None, items: Sequence[Any] | None = None) -> ControlChannel:
+    def _control(self, queue_idx: int | None, items: Sequence[Any] | None = None,
+                 objective: Any = None) -> ControlChannel:
         claim = None
+        objective = objective or self.opts.objective
         if self.rank == self.leader:
             if queue_idx is not None:
                 from gyre_megatron.microsteps import as_item
 
                 q = self.queues[queue_idx]
                 multiple = self.opts.tp if self.config.sequence_parallel else 1
-                claim = lambda t: as_item(q.claim(t), self.opts.objective, multiple)  # noqa: E731
+                claim = lambda t: as_item(q.claim(t), objective, multiple)  # noqa: E731
             else:
                 it = iter(list(items or []))
                 claim = lambda _t: next(it, None)  # noqa: E731
