@@ -84,6 +84,8 @@ def test_embedded_default_runs_three_steps_and_accounts_for_every_execution(tmp_
         assert rec["staleness"] == [0] * len(rec["staleness"]), rec["staleness"]
         assert abs(rec["ratio_mean"] - 1.0) <= 1e-3 and rec["ratio_max"] <= 1.01, rec
         assert rec["clip_fraction"] == 0.0, rec
+        # on-policy on CPU in float32: sampler and trainer agree on the sampled tokens' log-probs
+        assert rec["logp_diff_max"] <= 0.05 and 0 <= rec["kl_k3"] <= 1e-3, rec
         assert rec["split_executions"] == 0  # every execution's rows fit one pack: exact ratios
     assert summary["grad_norms"] == [r["grad_norm"] for r in summary["step_records"]]
     assert [e["step_done"] for e in events if "step_done" in e] == [0, 1, 2]
