@@ -240,3 +240,67 @@ def test_the_config_names_an_objective_and_its_bounds(tmp_path: Path, monkeypatc
     (tmp_path / "gone.toml").write_text('[training]\nobjective = "losses/absent.py:f"\n')
     with pytest.raises(ConfigError, match="training.objective: .*is not a file"):
         load_run_config(tmp_path / "gone.toml")
+
+
+# ------------------------------------------------------------------ the sampler–trainer correction
+
+CORRECTION_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0)}
+
+
+def corrected_reference(kind: str, correction: str, logp: list[float], batch: TokenBatch,
+                        cfg: ObjectiveConfig) -> tuple[float, list[float]]:
+    """The gradient with the trainer's own log-prob as the ratio's denominator (every ratio 1,
+    nothing clipped) and each token's term times ``c_t`` from ``ρ_t = π_trainer / π_sampler``;
+    the loss value is the surrogate's at ratio 1 (``−Σ weight · c_t · A``, CISPO's ``· log π``)."""
+    w, blp = batch.loss_weights.tolist(), batch.behaviour_logprobs.tolist()
+    adv, slot = batch.advantages.tolist(), batch.exec_slots.tolist()
+    lo, hi = cfg.correction_low, cfg.correction_high
+    loss, grad = 0.0, [0.0] * len(logp)
+    for e in range(batch.n_executions):
+        unique = [t for t in range(len(logp)) if slot[t] == e and w[t] > 0]
+        for t in unique:
+            rho = math.exp(logp[t] - blp[t])
+            c = min(max(rho, lo), hi) if correction == "tis" else (rho if lo <= rho <= hi else 0.0)
+            weight = w[t] if kind in ("gspo", "grpo") else 1.0 / (batch.n_executions * cfg.token_normaliser)
+            loss -= weight * c * adv[t] * (logp[t] if kind == "cispo" else 1.0)
+            grad[t] = -weight * c * adv[t]
+    return loss, grad
+
+
+@pytest.mark.parametrize("correction", sorted(CORRECTION_BOUNDS))
+@pytest.mark.parametrize("kind", ("gspo",) + TOKEN_LEVEL)
+def test_each_correction_matches_its_float64_reference(kind: str, correction: str) -> None:
+    batch, logp = _batch(2)
+    low, high = CORRECTION_BOUNDS[correction]
+    cfg = ObjectiveConfig(kind=kind, clip_low=OBJECTIVE_CLIPS[kind][0], clip_high=OBJECTIVE_CLIPS[kind][1],
+                          token_normaliser=16, correction=correction, correction_low=low, correction_high=high)
+    assert not cfg.sequence_level  # no whole-execution ratio needed: no forward pass over split rows
+    ref_loss, ref_grad = corrected_reference(kind, correction, logp.tolist(), batch, cfg)
+    lp = logp.clone().requires_grad_()
+    loss, fig = microstep_objective(lp, batch, cfg)
+    loss.backward()
+    ref_g = torch.tensor(ref_grad, dtype=torch.float64)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-12)
+    assert (lp.grad - ref_g).norm() <= 1e-12 * ref_g.norm()
+    rho = (logp - batch.behaviour_logprobs).exp()[batch.loss_weights > 0]
+    outside = int(((rho < low) | (rho > high)).sum())
+    assert float(fig["corrected_tokens"]) == outside > 0  # the spikes (ρ = e²) pass every upper bound
+    assert float(fig["clipped"]) == 0 and float(fig["clipped_tokens"]) == 0
+    # masked tokens carry no gradient; truncated ones carry the bound's
+    out_mask = ((logp - batch.behaviour_logprobs).exp() > high) & (batch.loss_weights > 0)
+    if correction == "tis":
+        assert bool((lp.grad[out_mask] != 0).any())
+    else:
+        assert bool((lp.grad[out_mask] == 0).all())
+
+
+def test_a_correction_is_checked_and_named_in_the_config() -> None:
+    tis = load_run_config(overrides={"training.correction": '"tis"'}).training.objective_config()
+    assert (tis.correction, tis.correction_low, tis.correction_high) == ("tis", 0.0, 2.0)
+    ice = load_run_config(overrides={"training.objective": '"dapo"', "training.correction": '"icepop"',
+                                     "training.correction_high": "3.0"}).training.objective_config()
+    assert (ice.kind, ice.correction_low, ice.correction_high) == ("dapo", 0.5, 3.0)
+    with pytest.raises(ConfigError, match="training.correction"):
+        load_run_config(overrides={"training.correction": '"clip"'})
+    with pytest.raises(ConfigError, match="training.correction_high"):
+        load_run_config(overrides={"training.correction": '"mis"', "training.correction_high": "0.5"})

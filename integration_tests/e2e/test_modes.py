@@ -61,15 +61,18 @@ def _check_accounting(summary: dict[str, Any]) -> None:
 def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
     phi, mu = 1.0, 1  # solve_burst("async", 1.0)
     summary, events = _run(tmp_path / "async", "async", phi, mu, "qwen3_moe",
-                           "--set", "training.tp=2", "--set", "training.ep=2", "--set", "training.objective=dapo")
+                           "--set", "training.tp=2", "--set", "training.ep=2", "--set", "training.objective=dapo",
+                           "--set", "training.correction=tis")
     # two cells of two ranks each (tensor and expert parallel)
     assert sorted(p.name for p in (tmp_path / "async").glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     assert summary["mode"] == "async"
     _check_accounting(summary)
-    # trained on DAPO (token-level clip-higher): its figures, and the sampler–trainer gap, every step
+    # trained on DAPO (token-level clip-higher) under truncated IS: the ratio to the trainer's own
+    # log-probs is 1, so nothing is clipped; the sampler–trainer gap and the truncated share, every step
     for rec in summary["step_records"]:
         assert rec["tokens"] > 0 and rec["ratio_pass_tokens"] == 0, rec  # no whole-execution ratio pass
-        assert 0 <= rec["token_clip_fraction"] <= 1 and 0 <= rec["clip_fraction"] <= 1, rec
+        assert rec["token_clip_fraction"] == 0 and rec["clip_fraction"] == 0, rec
+        assert 0 <= rec["correction_fraction"] <= 1, rec
         assert 0 <= rec["logp_diff_mean"] <= rec["logp_diff_max"] < 1 and 0 <= rec["kl_k3"] < 0.1, rec
 
     # the training pool (cell 0) switches once, at the start; cell 1 never switches

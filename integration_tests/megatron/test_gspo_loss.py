@@ -74,7 +74,7 @@ def world(request, tmp_path_factory):
                            normalise_by_tokens=False)
     else:
         opts = RankOptions(cells=1, pp=int(request.param[-1]), normalise_by_tokens=False)
-    with World(opts, n_queues=11) as w:
+    with World(opts, n_queues=12) as w:
         ref = publish(w, PublicationOptions(folder=str(tmp_path_factory.mktemp("gspo"))), version=0)
         hf = load_hf_model(ref.location).double()
         yield w, hf
@@ -171,15 +171,18 @@ def test_split_executions_are_clipped_on_their_whole_ratio(world) -> None:
 
 
 def test_token_level_objectives_equal_their_reference_without_the_ratio_pass(world) -> None:
-    """GRPO, DAPO and CISPO on the split executions: Megatron's gradient equals the float64
-    reference of each (the core's objective on HF's model), and no split execution's other rows
-    are run forward, since none of them clips on the whole execution's ratio. Their offsets put
+    """GRPO, DAPO, CISPO, and GSPO under IcePop's mask on the split executions: Megatron's
+    gradient equals the float64 reference of each (the core's objective on HF's model), and no
+    split execution's other rows are run forward, since none of them clips on the whole
+    execution's ratio. Their offsets put
     token ratios on both sides of GSPO's bounds; a token far past the cap is past every other."""
     w, hf = world
     micro = make_gspo_microsteps(hf, SPLIT_OFFSETS, SPLIT_ADVANTAGES, split=SPLIT, spike={4: 0.6}, seed=9)
-    for queue, kind in enumerate(("grpo", "dapo", "cispo"), start=8):
+    cases = (("grpo", "none"), ("dapo", "none"), ("cispo", "none"), ("gspo", "icepop"))
+    for queue, (kind, correction) in enumerate(cases, start=8):
         low, high = OBJECTIVE_CLIPS[kind]
-        cfg = ObjectiveConfig(kind=kind, clip_low=low, clip_high=high, token_normaliser=8)
+        cfg = ObjectiveConfig(kind=kind, clip_low=low, clip_high=high, token_normaliser=8, correction=correction,
+                              correction_low=0.999, correction_high=1.5)
         ref_loss, ref_grads = _reference(hf, micro, cfg)
         grads, fig = _megatron(w, micro, queue, cfg)
         scale = max(float(np.abs(g).max()) for g in ref_grads.values())
@@ -188,7 +191,10 @@ def test_token_level_objectives_equal_their_reference_without_the_ratio_pass(wor
         assert _worst(grads, ref_grads) <= 1e-5 * scale
         assert fig["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
         assert fig["ratio_pass_tokens"] == 0 and fig["executions"] == pytest.approx(len(SPLIT_OFFSETS))
-        assert fig["clipped_tokens"] >= 1  # the spike's token (ratio e^0.6: past 1.28)
+        if correction == "none":
+            assert fig["clipped_tokens"] >= 1  # the spike's token (ratio e^0.6: past 1.28)
+        else:  # masked: the spike's token (past 1.5) and those below 0.999
+            assert fig["corrected_tokens"] >= 2 and fig["clipped_tokens"] == 0
         assert fig["k3_sum"] > 0 and fig["abs_delta_max"] == pytest.approx(0.6 + SPLIT_OFFSETS[4], rel=1e-3)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "EngineUnreachable",
     "ExecutionSpec",
     "GSPOConfig",
+    "CORRECTIONS",
     "OBJECTIVES",
     "OBJECTIVE_CLIPS",
     "ObjectiveConfig",
@@ -241,6 +242,14 @@ OBJECTIVE_CLIPS: dict[str, tuple[float, float]] = {
 }
 """Each built-in objective's default ``(clip_low, clip_high)``."""
 
+CORRECTIONS: dict[str, tuple[float, float]] = {
+    "none": (0.0, math.inf),
+    "tis": (0.0, 2.0),  # truncated importance sampling: the weight clamped into [low, high]
+    "mis": (0.0, 2.0),  # masked: a token whose weight leaves [low, high] is not trained
+    "icepop": (0.5, 5.0),  # IcePop's two-sided mask
+}
+"""Each sampler–trainer correction (``training.correction``) and its default ``(low, high)``."""
+
 SEQUENCE_OBJECTIVES = ("gspo",)
 """Objectives whose clipping needs the whole execution's ratio (a split execution's other rows
 run forward only for it); the token-level ones need no such pass."""
@@ -266,8 +275,21 @@ class ObjectiveConfig:
     :mod:`gyre_core.dataplane.objective` for why not the batch's token count)."""
     custom: str = ""
     """``/absolute/path/file.py:function`` for ``kind == "custom"``."""
+    correction: str = "none"
+    """The sampler–trainer correction: one of :data:`CORRECTIONS` (see
+    :mod:`gyre_core.dataplane.objective`)."""
+    correction_low: float = 0.0
+    correction_high: float = math.inf
+    """The correction's bounds on each token's weight π_trainer / π_sampler."""
 
     def __post_init__(self) -> None:
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
+        if self.correction != "none" and self.kind == "custom":
+            raise ValueError("a custom objective makes its own correction: leave training.correction at none")
+        if self.correction != "none" and not 0 <= self.correction_low < 1 < self.correction_high:
+            raise ValueError(f"need 0 <= correction_low < 1 < correction_high, got "
+                             f"{self.correction_low}, {self.correction_high}")
         if self.kind not in OBJECTIVES and self.kind != "custom":
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)} or custom, got {self.kind!r}")
         if (self.kind == "custom") != bool(self.custom):
@@ -283,9 +305,10 @@ class ObjectiveConfig:
 
     @property
     def sequence_level(self) -> bool:
-        """Whether clipping needs the whole execution's ratio (see :data:`SEQUENCE_OBJECTIVES`);
-        a custom objective is given it too, as ``outside_sums``."""
-        return self.kind in SEQUENCE_OBJECTIVES or self.kind == "custom"
+        """Whether clipping needs the whole execution's ratio (see :data:`SEQUENCE_OBJECTIVES`;
+        not with a correction, which clips nothing); a custom objective is given it too, as
+        ``outside_sums``."""
+        return (self.kind in SEQUENCE_OBJECTIVES and self.correction == "none") or self.kind == "custom"
 
 
 GSPOConfig = ObjectiveConfig

@@ -58,6 +58,26 @@ other rows are not run for them:
   execution's rows held elsewhere, or ``None``), returning this micro-step's share of the loss: a
   scalar whose sum over micro-steps is the batch loss.
 
+**The sampler–trainer correction** (``training.correction``). The engine samples with its
+kernels and batch shapes, the trainer recomputes with others; even at staleness 0 the two
+log-probs differ (in bf16 on GPUs, noticeably). With a correction, the trainer's own log-prob is
+the denominator of the policy ratio, and the sampler-to-trainer ratio
+``ρ_t = π_trainer(t) / π_b(t)`` becomes a detached per-token weight ``c_t``:
+
+* ``tis`` (truncated IS): ``c_t = clip(ρ_t, low, high)`` (0, 2);
+* ``mis`` (masked IS): ``c_t = ρ_t`` inside ``[low, high]`` (0, 2), else 0: the token is not trained;
+* ``icepop``: the same mask, two-sided by default (0.5, 5), as IcePop has it.
+
+The trainer's log-prob of the version that sampled a token costs no extra forward here: a step
+makes one optimizer update, so while its loss is computed the trainer's weights are those of the
+step's version, and ``sg[log π_θ]`` is that recompute. The objective then runs with
+``π_b := sg[π_θ]`` (every ratio 1 in value, so nothing is clipped and the gradient is the policy
+gradient's) and each token's term times ``c_t``. A token sampled by an older version (staleness
+``d > 0``) has no recompute of that version -- its weights are gone -- so ``ρ_t`` is taken against
+the current one: AReaL's decoupled objective with the current policy as the proximal one, the
+weight covering staleness and mismatch together. A correction needs no whole-execution ratio,
+so GSPO with one skips the forward pass over a split execution's other rows too.
+
 Whatever the objective, the figures carry the sampler–trainer gap on the trained tokens:
 ``|δ_t|`` (sum and max) and the K3 estimate of KL(π_b ‖ π_θ), ``r_t − 1 − δ_t``, per token
 (Schulman's k3: unbiased, never negative, for tokens sampled from π_b).
@@ -88,6 +108,7 @@ __all__ = [
     "OBJECTIVES",
     "OBJECTIVE_CLIPS",
     "ObjectiveConfig",
+    "correction_weights",
     "load_custom_objective",
     "objective_loss",
     "TokenBatch",
@@ -169,6 +190,7 @@ def gspo_loss(
     batch: TokenBatch,
     ratio_sums: torch.Tensor,
     config: GSPOConfig = GSPOConfig(),
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This micro-step's share of the batch loss (a scalar; the batch loss is the sum of shares).
 
@@ -178,7 +200,7 @@ def gspo_loss(
     if ratio_sums.shape != (2, batch.n_executions):
         raise ValueError(f"ratio_sums: expected shape (2, {batch.n_executions}), got {tuple(ratio_sums.shape)}")
     dtype = logprobs.dtype
-    w = batch.loss_weights.to(dtype)
+    w = batch.loss_weights.to(dtype) if scale is None else batch.loss_weights.to(dtype) * scale.to(dtype)
     adv = batch.advantages.to(dtype)
     sums = ratio_sums.to(dtype)
     log_s = torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(torch.finfo(dtype).tiny), 0.0)
@@ -208,10 +230,14 @@ def _token_clipped(ratio: torch.Tensor, adv: torch.Tensor, config: ObjectiveConf
     return ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
 
 
-def token_level_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig) -> torch.Tensor:
-    """GRPO, DAPO or CISPO: this micro-step's share of the batch loss (see the module docstring)."""
+def token_level_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
+    """GRPO, DAPO or CISPO: this micro-step's share of the batch loss (see the module docstring);
+    ``scale``: a detached per-token factor (a correction's ``c_t``)."""
     dtype = logprobs.dtype
     v = _token_weights(batch, config, dtype)
+    if scale is not None:
+        v = v * scale.to(dtype)
     adv = batch.advantages.to(dtype)
     delta = _deltas(logprobs, batch)  # with gradient; 0 off the trained tokens
     lo, hi = 1 - config.clip_low, 1 + config.clip_high
@@ -266,11 +292,30 @@ def _custom_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveCon
     return loss.reshape(())
 
 
+def correction_weights(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token the correction's detached weight ``c_t`` (see the module docstring), and which
+    trained tokens it truncated (``tis``) or masked (``mis``, ``icepop``)."""
+    rho = torch.exp(_deltas(logprobs.detach(), batch))  # 1 off the trained tokens
+    lo, hi = config.correction_low, config.correction_high
+    outside = ((rho < lo) | (rho > hi)) & (batch.loss_weights > 0)
+    if config.correction == "tis":
+        return rho.clamp(min=lo, max=hi), outside
+    return torch.where(outside, torch.zeros_like(rho), rho), outside
+
+
 def objective_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig,
                    ratio_sums: torch.Tensor, outside_sums: torch.Tensor | None = None) -> torch.Tensor:
-    """This micro-step's share of the batch loss under ``config.kind``; ``ratio_sums`` are the
-    whole executions' :func:`log_ratio_sums` (GSPO's clip), ``outside_sums`` the part held
-    elsewhere (given to a custom objective)."""
+    """This micro-step's share of the batch loss under ``config.kind`` and ``config.correction``;
+    ``ratio_sums`` are the whole executions' :func:`log_ratio_sums` (GSPO's clip),
+    ``outside_sums`` the part held elsewhere (given to a custom objective)."""
+    if config.correction != "none":
+        scale, _ = correction_weights(logprobs, batch, config)
+        on_policy = TokenBatch(batch.token_ids, batch.cu_seqlens, batch.loss_weights, logprobs.detach(),
+                               batch.advantages, batch.exec_slots, batch.n_executions)
+        if config.kind == "gspo":
+            return gspo_loss(logprobs, on_policy, log_ratio_sums(logprobs, on_policy), config, scale)
+        return token_level_loss(logprobs, on_policy, config, scale)
     if config.kind == "gspo":
         return gspo_loss(logprobs, batch, ratio_sums, config)
     if config.kind == "custom":
@@ -297,6 +342,7 @@ def microstep_objective(
     left the bounds in the direction of their advantage; for the token-level objectives each
     execution's share of its tokens clipped; a split execution counts in each pack by the share
     of its weight ``Σ W_t`` held there, so the parts add up to one execution); ``clipped_tokens``;
+    ``corrected_tokens`` (those a correction truncated or masked);
     ``ratio_sum``, ``ratio_max`` and ``tokens`` over the weighted tokens' raw ratios ``π/π_b``;
     ``abs_delta_sum``, ``abs_delta_max`` and ``k3_sum``, the sampler–trainer gap on them. A
     custom objective's clipping is its own: it reports none.
@@ -318,7 +364,12 @@ def microstep_objective(
         delta = _deltas(logprobs.detach(), batch)
         ratio_all = torch.exp(delta)
         adv_t = batch.advantages.to(sums.dtype)
-        if config.kind == "gspo" or config.kind == "custom":
+        corrected = torch.zeros_like(weighted)
+        if config.correction != "none":  # the ratio to the trainer's own is 1: nothing is clipped
+            _, corrected = correction_weights(logprobs, batch, config)
+            clipped_tok = torch.zeros_like(weighted)
+            clipped = torch.zeros((), dtype=torch.float64)
+        elif config.kind == "gspo" or config.kind == "custom":
             adv = torch.zeros(batch.n_executions, dtype=sums.dtype, device=sums.device)
             adv[batch.exec_slots] = adv_t  # one advantage per execution
             clipped_exec = present & (((adv > 0) & (s > 1 + config.clip_high)) | ((adv < 0) & (s < 1 - config.clip_low)))
@@ -338,6 +389,7 @@ def microstep_objective(
             "executions": share.sum(),
             "clipped": clipped,
             "clipped_tokens": clipped_tok.sum().to(torch.float64),
+            "corrected_tokens": corrected.sum().to(torch.float64),
             "ratio_sum": ratio.to(torch.float64).sum(),
             "ratio_max": ratio.max().to(torch.float64) if len(ratio) else zero,
             "tokens": weighted.sum().to(torch.float64),

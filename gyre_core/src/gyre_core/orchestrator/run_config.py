@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gyre_core.config import ConfigError, SchedulerConfig
-from gyre_core.interfaces import OBJECTIVE_CLIPS, OBJECTIVES, ObjectiveConfig
+from gyre_core.interfaces import CORRECTIONS, OBJECTIVE_CLIPS, OBJECTIVES, ObjectiveConfig
 
 __all__ = ["HARNESSES", "RunConfig", "load_run_config"]
 
@@ -200,15 +200,27 @@ class TrainingSection(_Section):
     """DAPO and CISPO: each trained token weighs 1 / (executions per step × token_normaliser),
     a constant, since a streamed step is trained before its token count is known."""
 
+    correction: Literal["none", "tis", "mis", "icepop"] = "none"
+    """The sampler–trainer correction: none, ``tis`` (truncated IS), ``mis`` (masked IS) or
+    ``icepop`` (two-sided mask) on each token's π_trainer / π_sampler (README, "Objectives")."""
+    correction_low: float | None = Field(None, ge=0, lt=1)
+    """The correction's lower bound; unset: its own (tis and mis 0, icepop 0.5)."""
+    correction_high: float | None = Field(None, gt=1)
+    """The correction's upper bound; unset: its own (tis and mis 2, icepop 5)."""
+
     def objective_config(self) -> ObjectiveConfig:
-        """The objective's settings, with each unset bound the objective's own."""
+        """The objective's settings, with each unset bound the objective's (or correction's) own."""
         builtin = self.objective in OBJECTIVES
         low, high = OBJECTIVE_CLIPS.get(self.objective, OBJECTIVE_CLIPS["gspo"])
+        c_low, c_high = CORRECTIONS[self.correction]
         return ObjectiveConfig(
             kind=self.objective if builtin else "custom", custom="" if builtin else self.objective,
             token_weight_cap=self.importance_cap, token_normaliser=self.token_normaliser,
             clip_low=low if self.clip_low is None else self.clip_low,
-            clip_high=high if self.clip_high is None else self.clip_high)
+            clip_high=high if self.clip_high is None else self.clip_high,
+            correction=self.correction,
+            correction_low=c_low if self.correction_low is None else self.correction_low,
+            correction_high=c_high if self.correction_high is None else self.correction_high)
 
 
 class ServingSection(_Section):
@@ -474,7 +486,8 @@ class RunConfig:
         try:
             self.training.objective_config()
         except ValueError as exc:
-            raise ConfigError(f"training.clip_low: {exc}") from None
+            key = "training.correction" if "correction" in str(exc) else "training.clip_low"
+            raise ConfigError(f"{key}: {exc}") from None
         need(self.training.ep in (1, self.training.tp), "training.ep",
              f"must be 1 or training.tp ({self.training.tp}): expert parallelism runs on the tensor-parallel ranks")
         need(self.training.ep == 1 or bool(self.model.dir), "training.ep",
