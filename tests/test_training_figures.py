@@ -15,7 +15,7 @@ def test_training_figures_sum_over_cells_and_take_ratios_of_sums() -> None:
                           "ratio_pass_tokens": 4, "ratio_pass_s": 0.125}}]
     f = training_figures([core, sat])
     assert f == {"loss": 0.2, "grad_norm": 0.5, "clip_fraction": 0.5, "token_clip_fraction": 0.2,
-                 "correction_fraction": 0.0,
+                 "correction_fraction": 0.0, "entropy": 0.0,
                  "ratio_mean": 1.0125, "ratio_max": 1.5, "tokens": 40,
                  "logp_diff_mean": 0.02, "logp_diff_max": 0.4, "kl_k3": 0.0001,
                  "ratio_pass_tokens": 16, "ratio_pass_s": 0.375}

@@ -118,6 +118,19 @@ def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig
                                               if p.grad is not None})
 
 
+def _reference_entropy(hf: torch.nn.Module, micro: list) -> float:
+    """Σ over trained tokens of the entropy of the distribution that predicted each (HF, float64)."""
+    total = 0.0
+    with torch.no_grad():
+        for b in (p.to_batch() for m in micro for p in m.packs):
+            for k in range(len(b.cu_seqlens) - 1):
+                a, z = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
+                logp = torch.log_softmax(hf(b.token_ids[a:z][None]).logits[0], dim=-1)
+                entropy = -(logp.exp() * logp).sum(-1)  # position t predicts token t + 1
+                total += float(entropy[:-1][b.loss_weights[a + 1:z] > 0].sum())
+    return total
+
+
 def _megatron(w, micro: list, queue: int, objective: ObjectiveConfig | None = None) -> tuple[dict, dict]:
     core = w.ranks_of(0)
     tk = w.submit(core, "stream_grads_hf", queue, objective)
@@ -178,6 +191,7 @@ def test_token_level_objectives_equal_their_reference_without_the_ratio_pass(wor
     token ratios on both sides of GSPO's bounds; a token far past the cap is past every other."""
     w, hf = world
     micro = make_gspo_microsteps(hf, SPLIT_OFFSETS, SPLIT_ADVANTAGES, split=SPLIT, spike={4: 0.6}, seed=9)
+    entropy = _reference_entropy(hf, micro)
     cases = (("grpo", "none"), ("dapo", "none"), ("cispo", "none"), ("gspo", "icepop"))
     for queue, (kind, correction) in enumerate(cases, start=8):
         low, high = OBJECTIVE_CLIPS[kind]
@@ -196,6 +210,7 @@ def test_token_level_objectives_equal_their_reference_without_the_ratio_pass(wor
         else:  # masked: the spike's token (past 1.5) and those below 0.999
             assert fig["corrected_tokens"] >= 2 and fig["clipped_tokens"] == 0
         assert fig["k3_sum"] > 0 and fig["abs_delta_max"] == pytest.approx(0.6 + SPLIT_OFFSETS[4], rel=1e-3)
+        assert fig["entropy_sum"] == pytest.approx(entropy, rel=1e-5)  # over the whole vocabulary, any TP
 
 
 def test_calls_sampled_at_a_temperature_are_trained_at_it(world) -> None:

@@ -269,11 +269,12 @@ def _per_token_loss(
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone()}
 
 
-def _objective_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _objective_loss(item: dict[str, torch.Tensor], entropy: torch.Tensor | None, output_tensor: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The core's objective on this micro-step (last pipeline stage): ``output_tensor`` is
     Megatron's per-token cross-entropy ``−log π(label)``, so the current log-probs are its
-    negation, with gradient."""
+    negation, with gradient; ``entropy`` (per position) adds ``entropy_sum`` over the trained
+    tokens to the figures."""
     from gyre_core.dataplane.objective import ObjectiveConfig, TokenBatch, microstep_objective
 
     logprobs = -output_tensor.float().reshape(-1)
@@ -289,6 +290,8 @@ def _objective_loss(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
     config = item.get("objective") or ObjectiveConfig()
     loss, stats = microstep_objective(logprobs, batch, config, item.get("outside_sums"))
     n = (batch.loss_weights > 0).sum().to(torch.int)
+    if entropy is not None:
+        stats["entropy_sum"] = entropy.reshape(-1)[batch.loss_weights > 0].to(torch.float64).sum()
     return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n.clone(), **stats}
 
 
@@ -329,11 +332,34 @@ def tempered_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, temperatu
     return loss.transpose(0, 1).contiguous()
 
 
+def vocab_parallel_entropy(logits: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy of ``softmax(logits / T)`` per position ([b, s]; detached), the vocabulary split over
+    the tensor-parallel ranks as GPTModel leaves it: the maximum and two sums are all-reduced over
+    the tensor-parallel group, so every rank gets the whole vocabulary's entropy."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with torch.no_grad():
+        z = logits.float()
+        if temperature is not None:
+            z = z / temperature.to(z.device, torch.float32).unsqueeze(-1)
+        tp = ps.get_tensor_model_parallel_world_size()
+        top = z.max(dim=-1, keepdim=True).values
+        if tp > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        e = torch.exp(z - top)
+        sums = torch.stack([e.sum(dim=-1), (e * (z - top)).sum(dim=-1)])
+        if tp > 1:
+            dist.all_reduce(sums, group=ps.get_tensor_model_parallel_group())
+        return torch.log(sums[0]) - sums[1] / sums[0]
+
+
 def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
     """Megatron forward-step function for an item ``{tokens, labels, loss_mask, ...}`` ([rows, S]).
 
-    Data-plane items (they carry ``advantages``) are trained on the run's objective; plain items
-    on the per-token loss ``Σ mask · (−log π)``."""
+    Data-plane items (they carry ``advantages``) are trained on the run's objective, and on the
+    last stage their logits also give the policy's entropy at each position (a figure); plain
+    items on the per-token loss ``Σ mask · (−log π)``."""
     item = next(data_iterator)
     if torch.cuda.is_available():  # the control channel delivers items in host memory
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -341,12 +367,19 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
     tokens = item["tokens"]
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     temperature = item.get("temperature")
-    if temperature is not None and _last_stage(model):
-        out = tempered_cross_entropy(model(tokens, position_ids, None), item["labels"], temperature)
+    trained = "advantages" in item and "ratio_only" not in item
+    entropy = None
+    if (temperature is not None or trained) and _last_stage(model):
+        logits = model(tokens, position_ids, None)
+        ones = torch.ones_like(item["labels"], dtype=torch.float32)
+        out = tempered_cross_entropy(logits, item["labels"], ones if temperature is None else temperature)
+        if trained:
+            entropy = vocab_parallel_entropy(logits, temperature)
+        del logits
     else:
         out = model(tokens, position_ids, None, labels=item["labels"])
     if "ratio_only" in item:
         return out, partial(_ratio_sums, item)
-    if "advantages" in item:
-        return out, partial(_objective_loss, item)
+    if trained:
+        return out, partial(_objective_loss, item, entropy)
     return out, partial(_per_token_loss, item["loss_mask"])

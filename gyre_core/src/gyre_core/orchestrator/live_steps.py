@@ -292,6 +292,7 @@ class LiveSteps:
                       f"staleness {st.staleness}, loss {rec['loss']}, grad norm {rec['grad_norm']}, "
                       f"clipped {rec['clip_fraction']}, ratio mean/max {rec['ratio_mean']}/{rec['ratio_max']}, "
                       f"|Δlog p| mean/max {rec['logp_diff_mean']}/{rec['logp_diff_max']}, KL k3 {rec['kl_k3']}, "
+                      f"entropy {rec['entropy']}, "
                       f"{rec['tokens']} tokens")
         del self.open[st.step]
         self._emit(ev.MicroStepsDone(st.step))

@@ -18,10 +18,10 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
     executions clipped (for a token-level objective: the mean share of an execution's tokens) and
     of tokens, mean and max importance ratio π/π_b over trained tokens, tokens trained, and the
     sampler–trainer gap on them (mean and max |log π_θ − log π_b|, the K3 estimate of
-    KL(π_b ‖ π_θ) per token), and the share of tokens a correction truncated or masked. ``None``
-    where a backend reported nothing."""
+    KL(π_b ‖ π_θ) per token), the share of tokens a correction truncated or masked, and the
+    policy's mean entropy there. ``None`` where a backend reported nothing."""
     total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "clipped_tokens": 0.0,
-                               "corrected_tokens": 0.0,
+                               "corrected_tokens": 0.0, "entropy_sum": 0.0,
                                "ratio_sum": 0.0, "tokens": 0.0, "abs_delta_sum": 0.0, "k3_sum": 0.0,
                                "ratio_pass_tokens": 0.0, "ratio_pass_s": 0.0}
     ratio_max, delta_max, grad_norm, seen = 0.0, 0.0, None, False
@@ -38,7 +38,7 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
                 grad_norm = float(info["grad_norm"])
     if not seen:
         return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "token_clip_fraction": None,
-                "correction_fraction": None,
+                "correction_fraction": None, "entropy": None,
                 "ratio_mean": None, "ratio_max": None, "tokens": None, "logp_diff_mean": None,
                 "logp_diff_max": None, "kl_k3": None, "ratio_pass_tokens": None, "ratio_pass_s": None}
     tokens = total["tokens"]
@@ -49,6 +49,8 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
         "token_clip_fraction": round(total["clipped_tokens"] / tokens, 4) if tokens else None,
         # tokens a sampler–trainer correction truncated (tis) or masked (mis, icepop)
         "correction_fraction": round(total["corrected_tokens"] / tokens, 4) if tokens else None,
+        # the policy's entropy (nats) at the trained tokens, at each call's sampling temperature
+        "entropy": round(total["entropy_sum"] / tokens, 6) if tokens else None,
         "ratio_mean": round(total["ratio_sum"] / tokens, 4) if tokens else None,
         "ratio_max": round(ratio_max, 4) if tokens else None,
         "tokens": int(tokens),
