@@ -261,8 +261,6 @@ class ObjectiveConfig:
     ``clip_low``, ``clip_high``, ``importance_cap``, ``token_normaliser``). The default is the
     paper's execution-level GSPO: token weights capped at 5, clipping ``[0.995, 1.005]``."""
 
-    kind: str = "gspo"
-    """One of :data:`OBJECTIVES`, or ``custom`` (then ``custom`` names the function)."""
     token_weight_cap: float = 5.0
     """GSPO: each token's detached weight π/π_b is capped here."""
     clip_low: float = 0.005
@@ -270,6 +268,8 @@ class ObjectiveConfig:
     token's ratio for GRPO and DAPO, on each token's IS weight for CISPO)."""
     clip_high: float = 0.005
     """ε_high: the upper bound is ``1 + clip_high``."""
+    kind: str = "gspo"
+    """One of :data:`OBJECTIVES`, or ``custom`` (then ``custom`` names the function)."""
     token_normaliser: int = 1024
     """DAPO and CISPO: every trained token weighs ``1 / (E · token_normaliser)`` (see
     :mod:`gyre_core.dataplane.objective` for why not the batch's token count)."""
