@@ -1,4 +1,7 @@
-"""The execution-level GSPO objective (paper §5 "Objective").
+"""The objectives a step trains on: execution-level GSPO (paper §5 "Objective", the default),
+GRPO, DAPO, CISPO or a user's own, with an optional sampler–trainer correction.
+
+**GSPO** first.
 
 Notation: a training step consumes B groups of N executions, E = B·N. Execution ``e`` has
 advantage ``A_e`` and a set ``U_e`` of *unique* trainable tokens: targets of its selected
@@ -108,15 +111,16 @@ __all__ = [
     "OBJECTIVES",
     "OBJECTIVE_CLIPS",
     "ObjectiveConfig",
+    "TokenBatch",
     "correction_weights",
     "load_custom_objective",
     "objective_loss",
-    "TokenBatch",
     "group_advantages",
     "gspo_loss",
     "log_ratio_sums",
     "microstep_objective",
     "target_logprobs",
+    "token_level_loss",
 ]
 
 
