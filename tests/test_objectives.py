@@ -212,7 +212,7 @@ def test_a_custom_objective_is_called_per_micro_step(tmp_path: Path) -> None:
         microstep_objective(logp.clone().requires_grad_(), batch, ObjectiveConfig(kind="custom", custom=f"{path}:detached"))
     with pytest.raises(ValueError, match="has no function 'raise_here'"):
         load_custom_objective(f"{path}:raise_here")
-    with pytest.raises(ValueError, match="is not a file"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_custom_objective(f"{tmp_path}/absent.py:f")
 
 
@@ -238,7 +238,7 @@ def test_the_config_names_an_objective_and_its_bounds(tmp_path: Path, monkeypatc
     with pytest.raises(ConfigError, match="training.objective: .*must accept the keywords"):
         load_run_config(tmp_path / "bad.toml")
     (tmp_path / "gone.toml").write_text('[training]\nobjective = "losses/absent.py:f"\n')
-    with pytest.raises(ConfigError, match="training.objective: .*is not a file"):
+    with pytest.raises(ConfigError, match="training.objective: .*does not exist"):
         load_run_config(tmp_path / "gone.toml")
 
 

@@ -89,17 +89,16 @@ Whatever the objective, the figures carry the sampler–trainer gap on the train
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 # the settings are an option across the plugin seam
 from gyre_core.interfaces import OBJECTIVE_CLIPS, OBJECTIVES, GSPOConfig, ObjectiveConfig
+from gyre_core.user_code import load_user_function
 
 CUSTOM_ARGUMENTS = ("logprobs", "behaviour_logprobs", "advantages", "loss_weights", "exec_ids",
                     "n_executions", "outside_sums")
@@ -259,23 +258,13 @@ def load_custom_objective(spec: str) -> Callable[..., torch.Tensor]:
     """The function ``spec`` names (``/path/file.py:function``), checked to take
     :data:`CUSTOM_ARGUMENTS` by keyword; a ``ValueError`` naming what is wrong otherwise.
     Loaded once per process (each trainer rank imports the file)."""
-    path_text, sep, name = spec.rpartition(":")
-    if not sep or not path_text.endswith(".py") or not name.isidentifier():
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
         raise ValueError(f"objective {spec!r}: expected file.py:function")
-    path = Path(path_text)
-    if not path.is_file():
-        raise ValueError(f"objective {spec!r}: {path} is not a file")
-    module_spec = importlib.util.spec_from_file_location(f"gyre_user_objective_{abs(hash(str(path)))}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"objective {spec!r}: {path} cannot be imported")
-    module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the user's file: any failure is named, not raised raw
-        raise ValueError(f"objective {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"objective {spec!r}: {path} has no function {name!r}")
+        fn = load_user_function(spec)
+    except ValueError as exc:
+        raise ValueError(f"objective {spec!r}: {exc}") from None
     try:
         inspect.signature(fn).bind(**{k: None for k in CUSTOM_ARGUMENTS})
     except TypeError as exc:

@@ -33,7 +33,6 @@ Everything the user's files could get wrong is reported before the run starts
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -48,6 +47,7 @@ from gyre_core.hookspecs import hookimpl
 from gyre_core.interfaces import Assessment, ExecutionSpec, StateRef, TaskOptions
 from gyre_core.scoring.verdict import signed_verdict
 from gyre_core.tasks.workspace_command import run_in_workspace
+from gyre_core.user_code import load_user_function
 
 __all__ = ["TASK_NAME", "FileTaskInstance", "file_task_problems", "load_records", "record_for_group",
            "run_evaluator_command"]
@@ -125,28 +125,7 @@ def render_prompt(record: Mapping[str, Any], template: str) -> str:
 
 def load_reward(target: str) -> Callable[..., Any]:
     """``"path/to/file.py:function"`` -> the function; ``ValueError`` naming what is wrong."""
-    path, sep, name = target.rpartition(":")
-    if not sep or not path or not name:
-        raise ValueError(f"{target!r} is not 'path/to/file.py:function'")
-    return _load_reward(str(Path(path).resolve()), name)
-
-
-@lru_cache(maxsize=8)
-def _load_reward(path: str, name: str) -> Callable[..., Any]:
-    if not Path(path).is_file():
-        raise ValueError(f"{path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"gyre_user_reward_{abs(hash(path))}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{path} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file: any error is reported, in one line
-        raise ValueError(f"{path} fails to load: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"{path} has no function {name!r}")
-    return fn  # type: ignore[no-any-return]
+    return load_user_function(target)
 
 
 COMPLETE_FAILURE = "complete_failure"
