@@ -258,8 +258,9 @@ run forward only for it); the token-level ones need no such pass."""
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """The objective a run trains on and its settings (``[training]``: ``objective``,
-    ``clip_low``, ``clip_high``, ``importance_cap``, ``token_normaliser``). The default is the
-    paper's execution-level GSPO: token weights capped at 5, clipping ``[0.995, 1.005]``."""
+    ``clip_low``, ``clip_high``, ``importance_cap``, ``token_normaliser``, ``correction``,
+    ``correction_low``, ``correction_high``). The default is the paper's execution-level GSPO:
+    token weights capped at 5, clipping ``[0.995, 1.005]``, no correction."""
 
     token_weight_cap: float = 5.0
     """GSPO: each token's detached weight π/π_b is capped here."""
