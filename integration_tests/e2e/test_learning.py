@@ -1,7 +1,7 @@
 """A live run learns, and a later run starts from what it learnt.
 
 Run 1: ``gyre-orchestrate run`` (in process) on the built-in ``digits`` task, the ``reply``
-harness, 10 GSPO steps, on-policy (φ = 0). The evidence is not the run's own noisy per-step means
+harness, 10 GSPO steps of 4 groups of 4, on-policy (φ = 0). The evidence is not the run's own noisy per-step means
 but the two policies themselves: 256 replies sampled (temperature 1) from the version-0 weights
 and from the run's ``checkpoint/``, with HF transformers, scored by the task's own scorer. With 256
 samples the standard error of each mean is about 0.01, so the required gain (more than 3 standard
@@ -11,8 +11,9 @@ noise.
 Why on-policy: with the small job's φ = 1 most executions ran one version behind, and at lr 1e-2
 GSPO's [0.995, 1.005] ratio clip dropped up to 88% of them from the gradient; the gain then varied
 from run to run between 0.013 and 0.135 on the same code, and the smallest failed the margin. On
-policy nothing is clipped for staleness: 0.277 → 0.460 (se 0.010) in 16 steps, 0.277 → 0.370 (se
-0.009, ten standard errors) in the 10 steps run here.
+policy nothing is clipped for staleness. Why 4 groups a step: with the small job's 2 groups (8
+executions) the 10-step gain varied between −0.031 and +0.131 over six runs of the same code, and
+one of them failed; with 16 executions a step it was +0.130, +0.144 and +0.189 on three runs.
 
 Run 2 starts from run 1's ``checkpoint/`` (``model.dir``): its version 0 (what the engines serve,
 exported by the trainer after the import) holds exactly the checkpoint's weights. It also shows a
@@ -96,7 +97,8 @@ def test_a_run_learns_the_digits_task_and_a_later_run_starts_from_its_checkpoint
     common = {"task.name": '"digits"', "harness.kind": '"reply"', "training.lr": 1e-2,
               "scheduler.extra_dispatch": 0.0}  # on-policy: no execution is clipped for staleness
     out1 = tmp_path / "run1"
-    s1 = run_live(load_run_config(SMALL_JOB, {**common, "run.out_dir": str(out1), "run.steps": 10}), lambda m: None)
+    s1 = run_live(load_run_config(SMALL_JOB, {**common, "run.out_dir": str(out1), "run.steps": 10,
+                                              "scheduler.groups_per_step": 4}), lambda m: None)
     assert s1["status"] == "ok" and s1["steps"] == 10
     assert all(r["tokens"] > 0 for r in s1["step_records"]), s1["step_records"]
     # every step moved the policy, except one whose executions all scored alike: a policy that has

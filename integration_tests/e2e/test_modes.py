@@ -62,7 +62,10 @@ def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
     phi, mu = 1.0, 1  # solve_burst("async", 1.0)
     summary, events = _run(tmp_path / "async", "async", phi, mu, "qwen3_moe",
                            "--set", "training.tp=2", "--set", "training.ep=2", "--set", "training.objective=dapo",
-                           "--set", "training.correction=tis")
+                           "--set", "training.correction=tis",
+                           # the team's Megatron settings: Adam's beta2, weight decay, a linear decay
+                           "--set", "training.megatron={adam_beta2 = 0.98, weight_decay = 0.01, "
+                                    "lr_decay_style = \"linear\", min_lr = 1e-5}")
     # two cells of two ranks each (tensor and expert parallel)
     assert sorted(p.name for p in (tmp_path / "async").glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     assert summary["mode"] == "async"
@@ -74,6 +77,10 @@ def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
         assert rec["token_clip_fraction"] == 0 and rec["clip_fraction"] == 0, rec
         assert 0 <= rec["correction_fraction"] <= 1, rec
         assert 0 <= rec["logp_diff_mean"] <= rec["logp_diff_max"] < 1 and 0 <= rec["kl_k3"] < 0.1, rec
+
+    # megatron-core's schedule over the run's steps, from training.lr (1e-4) down to min_lr
+    lrs = [rec["lr"] for rec in summary["step_records"]]
+    assert lrs == pytest.approx([1e-4 - (1e-4 - 1e-5) * s / STEPS for s in range(STEPS)], rel=1e-9), lrs
 
     # the training pool (cell 0) switches once, at the start; cell 1 never switches
     switches = summary["role_switches"]

@@ -373,6 +373,10 @@ class TrainingOptions:
     precision: str = "fp32"
     lr: float = 1e-4
     clip_grad: float = 1.0
+    megatron: Mapping[str, Any] = field(default_factory=dict)
+    """``[training.megatron]``: megatron-core settings by their own names, for a Megatron plugin."""
+    total_steps: int = 0
+    """``run.steps``: the length a learning-rate schedule decays over unless it says otherwise."""
     objective: GSPOConfig = GSPOConfig()
     normalise_by_tokens: bool = True
     """Divide gradients by loss-bearing tokens; off for the data plane's ``W_t``, which already

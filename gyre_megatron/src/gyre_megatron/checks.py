@@ -110,6 +110,27 @@ class RankChecks:
             out = self.ddp.module(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
         return out.detach().clone().cpu().numpy()
 
+    def settings_in_effect(self, names: list[str]) -> dict[str, Any]:
+        """Each named field as this rank's ``TransformerConfig``, DDP config and (core) optimizer
+        config hold it (the first that has it, as a string for enums), and the core's current
+        learning rate and weight decay per parameter group (``[training.megatron]`` test)."""
+        import enum
+
+        holders = [self.config, self.ddp.ddp_config]
+        if self.optimizer is not None:
+            holders.append(self.optimizer.config)
+        out: dict[str, Any] = {}
+        for name in names:
+            for h in holders:
+                if hasattr(h, name):
+                    v = getattr(h, name)
+                    out[name] = v.name if isinstance(v, enum.Enum) else v
+                    break
+        if self.optimizer is not None:
+            out["param_groups"] = [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
+                                   for g in self.optimizer.param_groups]
+        return out
+
     def state_digest(self) -> str:
         h = hashlib.sha256()
         for t in self._state_tensors():

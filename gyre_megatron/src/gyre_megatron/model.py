@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -98,13 +98,26 @@ def sequence_parallel(spec: ModelSpec, tp_size: int) -> bool:
 
 
 def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precision: str = "fp32",
-                       ep_size: int = 1) -> Any:
+                       ep_size: int = 1, overrides: Mapping[str, Any] | None = None) -> Any:
+    """megatron-core's ``TransformerConfig`` for one stage: the fields Gyre owns (the shape, the
+    layout, precision) from its arguments, Gyre's CPU-safe defaults for the rest, and the team's
+    ``[training.megatron]`` keys (``overrides``, checked by
+    :mod:`gyre_megatron.megatron_settings`) over those defaults."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
+    defaults: dict[str, Any] = dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -119,8 +132,6 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
         add_qkv_bias=spec.qkv_bias,
         kv_channels=spec.kv_channels,
         qk_layernorm=spec.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         use_cpu_initialization=True,
         pipeline_model_parallel_size=pp_size,
         tensor_model_parallel_size=tp_size,
@@ -128,12 +139,7 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
         params_dtype=dtype,
         bf16=precision == "bf16",
         calculate_per_token_loss=True,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        **_moe_settings(spec, tp_size, ep_size),
+        **{**_moe_settings(spec, tp_size, ep_size), **defaults, **dict(overrides or {})},
     )
 
 
@@ -203,15 +209,17 @@ def _sequence_parallel_block(layer_spec: Any, layers: int) -> Any:
 
 
 def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, precision: str = "fp32",
-                ep_size: int = 1) -> tuple[Any, Any]:
+                ep_size: int = 1, settings: Any = None) -> tuple[Any, Any]:
     """This rank's shard of one pipeline stage, wrapped in megatron-core DDP (grad buffers, no
     sync). With ``use_cpu_initialization`` megatron-core draws each full weight and keeps this
-    rank's slice, so a seeded model starts with the same weights at every ``tp_size``."""
+    rank's slice, so a seeded model starts with the same weights at every ``tp_size``.
+    ``settings``: the team's :class:`~gyre_megatron.megatron_settings.MegatronSettings`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, pp_size, tp_size, precision, ep_size)
+    config = transformer_config(spec, pp_size, tp_size, precision, ep_size,
+                                settings.transformer if settings is not None else None)
     if spec.num_experts:
         _router_without_transformer_engine()
     torch.manual_seed(spec.seed + 1000 * pp_rank)
@@ -237,16 +245,18 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, p
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-    )
+    ddp_config = DistributedDataParallelConfig(**{
+        "grad_reduce_in_fp32": True, **(settings.ddp if settings is not None else {}),
+        "overlap_grad_reduce": False, "use_distributed_optimizer": False})
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return ddp, config
 
 
-def make_optimizer(ddp: Any, lr: float = 1e-3, precision: str = "fp32") -> Any:
+def make_optimizer(ddp: Any, lr: float = 1e-3, precision: str = "fp32", settings: Any = None) -> Any:
     """megatron-core's optimizer (Adam, fp32 state) for one stage of the core cell; with
     ``bf16`` parameters it keeps float32 master weights and copies them back after each step.
+    Weight decay 0 unless the team's ``settings`` (:class:`~gyre_megatron.megatron_settings.MegatronSettings`)
+    say otherwise; their ``OptimizerConfig`` keys (Adam's betas and eps, weight decay, ...) apply.
 
     ``clip_grad=0``: megatron's clip_grads asserts CUDA tensor types, and Gyre clips on the core
     itself over the core's whole pipeline (see :mod:`gyre_megatron.runtime`).
@@ -254,8 +264,10 @@ def make_optimizer(ddp: Any, lr: float = 1e-3, precision: str = "fp32") -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16 = precision == "bf16"
-    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, bf16=bf16, fp16=False,
-                          params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False)
+    team = settings.optimizer if settings is not None else {}
+    cfg = OptimizerConfig(**{"weight_decay": 0.0, **team}, optimizer="adam", lr=lr, clip_grad=0.0, bf16=bf16,
+                          fp16=False, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                          use_distributed_optimizer=False)
     return get_megatron_optimizer(cfg, [ddp])
 
 

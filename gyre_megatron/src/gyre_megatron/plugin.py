@@ -52,4 +52,5 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
 
     return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)),
                                   model_dir=str(config.get("model", {}).get("dir") or ""),
-                                  launcher=str(config.get("cluster", {}).get("launcher") or "local"))
+                                  launcher=str(config.get("cluster", {}).get("launcher") or "local"),
+                                  megatron=config.get("training", {}).get("megatron") or {})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
+from typing import Any, Mapping
 
 __all__ = ["SUPPORTED_MEGATRON_CORE", "megatron_core_problem", "model_problems", "mooncake_problem",
            "training_side_problems"]
@@ -98,7 +99,10 @@ def model_problems(model_dir: str) -> list[str]:
     return []
 
 
-def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local") -> list[str]:
+def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local",
+                           megatron: Mapping[str, Any] | None = None) -> list[str]:
+    """One line per problem; ``megatron`` (``[training.megatron]``) is checked against the
+    installed megatron-core's own dataclasses once it is found."""
     problems: list[str] = []
     if launcher == "ray" and importlib.util.find_spec("ray") is None:
         problems.append("Ray: not installed, and cluster.launcher = \"ray\" needs it (pip install 'gyre-megatron[ray]')")
@@ -113,6 +117,10 @@ def training_side_problems(cells: int, model_dir: str = "", launcher: str = "loc
             problems.append(f"{mod}: not installed ({fix})")
         elif mod == "megatron.core" and (p := megatron_core_problem()):
             problems.append(p)
+        elif mod == "megatron.core" and megatron:
+            from gyre_megatron.megatron_settings import settings_problems
+
+            problems.extend(settings_problems(megatron))
     if cells > 1:  # satellites join a running step by pulling the core's weights over Mooncake
         p = mooncake_problem()
         if p:

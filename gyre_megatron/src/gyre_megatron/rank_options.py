@@ -6,7 +6,8 @@ Its own module, below :mod:`gyre_megatron.runtime` (which builds a rank from it)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from gyre_core.interfaces import MooncakeOptions, ObjectiveConfig
 from gyre_megatron.model import ModelSpec
@@ -21,6 +22,11 @@ class RankOptions:
     spec: ModelSpec = ModelSpec()
     lr: float = 1e-3
     clip_grad: float = 1.0
+    megatron: Mapping[str, Any] = field(default_factory=dict)
+    """``[training.megatron]`` (:mod:`gyre_megatron.megatron_settings`): megatron-core settings by
+    their own names, applied to every stage's configs, the core's optimizer and its schedule."""
+    total_steps: int = 0
+    """The run's steps: what a learning-rate schedule decays over by default."""
     data_timeout_s: float = 60.0
     """Timeout of the data groups (pipeline P2P, prefix collectives)."""
     side_timeout_s: float = 60.0

@@ -91,7 +91,10 @@ class CellRank(RankChecks):
                     self.prefix[m] = g
         self.store = dist.distributed_c10d._get_default_store()
         self.store.set_timeout(timedelta(seconds=opts.store_timeout_s))
-        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision, opts.ep)
+        from gyre_megatron.megatron_settings import make_scheduler, split_settings
+
+        settings = split_settings(opts.megatron)  # checked in the orchestrator's preflight already
+        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision, opts.ep, settings)
         self.model = self.ddp
         if opts.init_from:
             self._load_hf(opts.init_from)
@@ -100,8 +103,11 @@ class CellRank(RankChecks):
         self.embedding_group = ps.get_embedding_group() if opts.spec.tie_embeddings and P > 1 else None
         # get_megatron_optimizer gathers parameter keys over the whole world, so every rank builds
         # one; only the core keeps it (Adam allocates no state before its first step).
-        opt = make_optimizer(self.ddp, opts.lr, opts.precision)
+        opt = make_optimizer(self.ddp, opts.lr, opts.precision, settings)
         self.optimizer = opt if self.is_core else None
+        self.scheduler = (make_scheduler(opt, opts.lr, opts.total_steps, settings)
+                          if self.is_core else None)
+        """megatron-core's learning-rate and weight-decay schedule over the run's steps (core only)."""
         self.p2p = compat.P2P(self.pp_group, self.config)
         self.leader = self.cell * n
         """Stage 0, tensor shard 0: claims the cell's micro-steps."""
@@ -605,6 +611,10 @@ class CellRank(RankChecks):
                     buf.mul_(self.opts.clip_grad / (norm + 1e-6))
             if self._satellite_weights is not None:
                 self._satellite_weights.release()  # the snapshot window is over
+            if self.scheduler is not None:
+                from gyre_megatron.megatron_settings import apply_schedule
+
+                info["lr"] = apply_schedule(self.scheduler, step)
             if total > 0:
                 ok, _, _ = self.optimizer.step()
             else:  # every group of the step came up empty: Adam's momentum alone must not move it

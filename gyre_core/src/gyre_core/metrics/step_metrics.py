@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 __all__ = ["step_metrics"]
 
-_TRAIN = ("loss", "grad_norm", "clip_fraction", "token_clip_fraction", "correction_fraction", "ratio_mean",
+_TRAIN = ("loss", "grad_norm", "lr", "clip_fraction", "token_clip_fraction", "correction_fraction", "ratio_mean",
           "ratio_max", "tokens", "entropy",
           "logp_diff_mean", "logp_diff_max", "kl_k3", "micro_steps", "split_executions", "duration_s", "executions")
 

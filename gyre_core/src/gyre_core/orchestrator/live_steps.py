@@ -289,7 +289,7 @@ class LiveSteps:
             self.event_log.write(json.dumps({"t": round(self.now(), 3), "step_done": st.step, **rec}) + "\n")
             self.event_log.flush()
         self.progress(f"step {st.step} done in {rec['duration_s']:.1f} s: mean reward {rec['mean_reward']}, "
-                      f"staleness {st.staleness}, loss {rec['loss']}, grad norm {rec['grad_norm']}, "
+                      f"staleness {st.staleness}, loss {rec['loss']}, grad norm {rec['grad_norm']}, lr {rec['lr']}, "
                       f"clipped {rec['clip_fraction']}, ratio mean/max {rec['ratio_mean']}/{rec['ratio_max']}, "
                       f"|Δlog p| mean/max {rec['logp_diff_mean']}/{rec['logp_diff_max']}, KL k3 {rec['kl_k3']}, "
                       f"entropy {rec['entropy']}, "

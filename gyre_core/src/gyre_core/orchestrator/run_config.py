@@ -185,6 +185,12 @@ class TrainingSection(_Section):
     collective_timeout_s: float = Field(60.0, gt=0)
     """How long a gradient collective waits for a peer: a satellite that died mid-step is given
     up on within about this, and the step finishes on the cells that survived."""
+    megatron: dict[str, Any] = Field(default_factory=dict)
+    """``[training.megatron]``: the team's own megatron-core settings, by the names of
+    megatron-core's ``TransformerConfig``, ``DistributedDataParallelConfig`` and
+    ``OptimizerConfig`` fields and its learning-rate scheduler's parameters (README, "Your
+    Megatron settings"). The training plugin checks them against the installed release before
+    any process starts."""
     objective: str = "gspo"
     """``gspo`` (execution-level, the default), ``grpo``, ``dapo``, ``cispo``, or
     ``"file.py:function"``: a loss of the user's own (see README, "Objectives")."""

@@ -15,6 +15,7 @@ __all__ = ["training_figures"]
 def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """A step's training figures from its cells' per-rank statistics (each cell's last stage
     reports its objective figures, the core its gradient norm): loss, grad norm, the fraction of
+    the learning rate the step was trained at, the fraction of
     executions clipped (for a token-level objective: the mean share of an execution's tokens) and
     of tokens, mean and max importance ratio π/π_b over trained tokens, tokens trained, and the
     sampler–trainer gap on them (mean and max |log π_θ − log π_b|, the K3 estimate of
@@ -24,7 +25,7 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
                                "corrected_tokens": 0.0, "entropy_sum": 0.0,
                                "ratio_sum": 0.0, "tokens": 0.0, "abs_delta_sum": 0.0, "k3_sum": 0.0,
                                "ratio_pass_tokens": 0.0, "ratio_pass_s": 0.0}
-    ratio_max, delta_max, grad_norm, seen = 0.0, 0.0, None, False
+    ratio_max, delta_max, grad_norm, lr, seen = 0.0, 0.0, None, None, False
     for infos in cell_infos:
         for info in infos:
             fig = info.get("objective")
@@ -36,8 +37,10 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
                 delta_max = max(delta_max, float(fig.get("abs_delta_max", 0.0)))
             if info.get("grad_norm") is not None:
                 grad_norm = float(info["grad_norm"])
+            if info.get("lr") is not None:  # the core's optimizer, as its schedule set it
+                lr = float(info["lr"])
     if not seen:
-        return {"loss": None, "grad_norm": grad_norm, "clip_fraction": None, "token_clip_fraction": None,
+        return {"loss": None, "grad_norm": grad_norm, "lr": lr, "clip_fraction": None, "token_clip_fraction": None,
                 "correction_fraction": None, "entropy": None,
                 "ratio_mean": None, "ratio_max": None, "tokens": None, "logp_diff_mean": None,
                 "logp_diff_max": None, "kl_k3": None, "ratio_pass_tokens": None, "ratio_pass_s": None}
@@ -45,6 +48,7 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
     return {
         "loss": round(total["loss"], 6),
         "grad_norm": None if grad_norm is None else round(grad_norm, 6),
+        "lr": lr,
         "clip_fraction": round(total["clipped"] / total["executions"], 4) if total["executions"] else None,
         "token_clip_fraction": round(total["clipped_tokens"] / tokens, 4) if tokens else None,
         # tokens a sampler–trainer correction truncated (tis) or masked (mis, icepop)

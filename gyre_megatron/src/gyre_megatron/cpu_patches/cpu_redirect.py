@@ -210,6 +210,20 @@ def install_cpu_rng_tracker(redirection: Redirection) -> None:
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     redirection.notes.append("cpu rng tracker")
 
+    # Activation recompute (CheckpointFunction) saves the "CUDA" generator's state beside the
+    # CPU one and restores both before recomputing: on CPU the CPU generator is the only one,
+    # and the caller restores it itself, so the device state is the CPU's and setting it is a no-op.
+    def get_state(*_a: Any, **_k: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(*_a: Any, **_k: Any) -> None:
+        return None
+
+    for attr, fn in (("_get_cuda_rng_state", get_state), ("_set_cuda_rng_state", set_state)):
+        if hasattr(random, attr):
+            redirection.replaced.append((random, attr, getattr(random, attr)))
+            setattr(random, attr, fn)
+
 
 def redirect_tensor_cuda(redirection: Redirection) -> None:
     """Make ``Tensor.cuda()`` return the tensor itself (0.13's schedules call it; every release's
@@ -258,6 +272,8 @@ CUDA_MODULES = (
     # sequence parallelism (MoE with TP): the scatter/gather buffers are allocated on the device
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
+    # activation recompute: CheckpointFunction reads torch.cuda's generator state
+    "megatron.core.tensor_parallel.random",
 )
 """The megatron-core modules with CUDA-only lines, 0.13 to 0.16 alike."""
 
