@@ -42,7 +42,7 @@ def test_each_wrong_key_is_one_line_naming_it() -> None:
         "overlap_grad_reduce": True,  # Gyre reduces across cells itself
         "adam_beta2": "0.95",  # a string for a float
         "lr_warmup_steps": True,  # a bool for an int
-        "recompute_granularity": "fulll",  # not one of the Literal's values
+        "lr_wsd_decay_style": "fast",  # not one of the choice's values
         "attention_backend": "fast",  # not a member of the enum
         "init_method": "normal",  # a callable: no file can hold it
         "lr_decay_style": "cosine",  # fine
@@ -51,13 +51,13 @@ def test_each_wrong_key_is_one_line_naming_it() -> None:
     assert len(problems) == 11, problems
     text = "\n".join(problems)
     for key in ("weight_decya", "lr_warmup_iters", "hidden_size", "tensor_model_parallel_size", "clip_grad",
-                "overlap_grad_reduce", "adam_beta2", "lr_warmup_steps", "recompute_granularity",
+                "overlap_grad_reduce", "adam_beta2", "lr_warmup_steps", "lr_wsd_decay_style",
                 "attention_backend", "init_method"):
         assert f"training.megatron.{key}:" in text, key
     assert "here: lr_warmup_steps" in text
-    assert "use training.tp" in text and "use training.clip_grad" in text and "model.dir" in text
+    assert "set training.tp instead" in text and "set training.clip_grad" in text and "model.dir" in text
     assert "cannot be set from a file" in text
-    assert "'full'" in text  # the Literal's values are listed
+    assert "'cosine'" in text  # the choice's values are listed
     assert settings_problems(TEAM) == []
 
 

@@ -110,6 +110,29 @@ class RankChecks:
             out = self.ddp.module(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
         return out.detach().clone().cpu().numpy()
 
+    def step_peak_memory(self, queue_idx: int) -> dict[str, float]:
+        """Stream the queue (as :meth:`stream_grads_hf`, no update) and report this rank's
+        memory: resident before, and the peak during it (Linux: the kernel's high-water mark,
+        reset first), in MiB, with the seconds it took (activation-recompute benchmark)."""
+        import time
+
+        def rss_mib(field: str) -> float:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1]) / 1024
+            return float("nan")
+
+        with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+            f.write("5")
+        before = rss_mib("VmRSS")
+        self.zero_grads()
+        t0 = time.monotonic()
+        self._stream(self._control(queue_idx))
+        seconds = time.monotonic() - t0
+        self.zero_grads()
+        return {"rss_before_mib": before, "peak_mib": rss_mib("VmHWM"), "seconds": seconds}
+
     def settings_in_effect(self, names: list[str]) -> dict[str, Any]:
         """Each named field as this rank's ``TransformerConfig``, DDP config and (core) optimizer
         config hold it (the first that has it, as a string for enums), and the core's current

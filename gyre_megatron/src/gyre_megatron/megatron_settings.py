@@ -45,23 +45,23 @@ OWNED: dict[str, str] = {
     "expert_model_parallel_size": "training.ep",
     "expert_tensor_parallel_size": "training.ep (1: experts split over the tensor ranks; tp: whole experts)",
     "sequence_parallel": "training.tp (Gyre turns it on where megatron-core requires it: MoE with tp > 1)",
-    "context_parallel_size": "training.cp, which is not offered yet",
+    "context_parallel_size": "context parallelism is not offered yet",
     "virtual_pipeline_model_parallel_size": "training.pp (Gyre's pausable schedule streams one stage per rank)",
     "bf16": "training.precision", "fp16": "training.precision", "params_dtype": "training.precision",
     "pipeline_dtype": "training.precision",
     "lr": "training.lr", "max_lr": "training.lr",
     "clip_grad": "training.clip_grad (Gyre clips over the core's whole pipeline)",
-    "calculate_per_token_loss": "training.objective (its weights normalise the loss)",
-    "use_cpu_initialization": "nothing: Gyre draws weights on the host so a seeded model is the same at any tp",
-    "optimizer": "nothing yet: the core runs megatron-core's Adam",
+    "calculate_per_token_loss": "training.objective (its own weights normalise the loss)",
+    "use_cpu_initialization": "Gyre draws weights on the host, so a seeded model is the same at any tp",
+    "optimizer": "the core runs megatron-core's Adam (other optimizers are not offered yet)",
     "use_distributed_optimizer": _REDUCE, "overlap_grad_reduce": _REDUCE, "overlap_param_gather": _REDUCE,
     "num_distributed_optimizer_instances": _REDUCE, "average_in_collective": _REDUCE,
     "use_megatron_fsdp": _REDUCE, "use_custom_fsdp": _REDUCE,
-    "transformer_impl": "nothing yet: Gyre builds megatron-core's local layer spec",
-    "use_checkpoint_opt_param_scheduler": "nothing: the schedule is a function of the step",
-    "override_opt_param_scheduler": "nothing: the schedule is a function of the step",
+    "transformer_impl": "Gyre builds megatron-core's local layer spec (TransformerEngine's is not offered yet)",
+    "use_checkpoint_opt_param_scheduler": "the schedule is a function of the step, never saved",
+    "override_opt_param_scheduler": "the schedule is a function of the step, never saved",
 }
-"""Fields Gyre sets itself, each with what to set instead."""
+"""Fields Gyre sets itself, each with the key to set instead (or why none)."""
 
 MEGATRON_LM_NAMES: dict[str, str] = {
     "lr_warmup_iters": "lr_warmup_steps", "lr_decay_iters": "lr_decay_steps", "lr_warmup_init": "init_lr",
@@ -189,7 +189,9 @@ def settings_problems(table: Mapping[str, Any]) -> list[str]:
     for key, value in table.items():
         where = f"training.megatron.{key}"
         if key in OWNED:
-            problems.append(f"{where}: Gyre sets this itself; use {OWNED[key]}")
+            what = OWNED[key]
+            instead = f"set {what} instead" if what.startswith(("training.", "the model")) else what
+            problems.append(f"{where}: Gyre sets this itself; {instead}")
             continue
         types_ = [t[key] for t in targets.values() if key in t]
         if not types_:
