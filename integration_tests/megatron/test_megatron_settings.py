@@ -87,6 +87,28 @@ def test_preflight_refuses_a_wrong_table_before_anything_starts() -> None:
         "training.megatron.weight_decay: 'lots' does not fit: expected float"]
 
 
+def test_preflight_refuses_what_megatron_core_refuses_with_the_runs_model() -> None:
+    """Keys that each fit but that megatron-core refuses together, or with the run's own model:
+    its own message, before any process starts."""
+    from gyre_core.orchestrator.embedded import _plugin_manager
+    from gyre_core.orchestrator.preflight import preflight
+    from gyre_core.orchestrator.run_config import load_run_config
+
+    pm = _plugin_manager()
+    cases = {
+        '{recompute_granularity = "full"}': "TransformerConfig",  # full recompute without its method
+        '{lr_warmup_steps = 5, lr_decay_steps = 3}': "OptimizerParamScheduler",  # warm-up past the decay
+        '{adam_beta2 = 0.95, weight_decay = 0.01}': None,
+    }
+    for table, refused_by in cases.items():
+        cfg = load_run_config(EXAMPLE, {"training.megatron": table})
+        lines = [p for p in preflight(cfg, pm) if "training.megatron" in p]
+        if refused_by is None:
+            assert lines == [], (table, lines)
+        else:
+            assert len(lines) == 1 and refused_by in lines[0] and "refuses these settings: " in lines[0], (table, lines)
+
+
 def _reference_lr(step: int, peak: float) -> float:
     """Warm-up from ``init_lr`` then cosine to ``min_lr`` (megatron-core's formula), float64."""
     w, d, lo = TEAM["lr_warmup_steps"], TEAM["lr_decay_steps"], TEAM["min_lr"]

@@ -30,7 +30,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["MEGATRON_LM_NAMES", "OWNED", "SCHEDULER_DEFAULTS", "MegatronSettings", "apply_schedule", "make_scheduler", "settings_problems", "split_settings"]
+__all__ = ["MEGATRON_LM_NAMES", "OWNED", "SCHEDULER_DEFAULTS", "MegatronSettings", "apply_schedule", "make_scheduler", "settings_problems", "settings_refused",
+           "split_settings"]
 
 _MODEL = "the model's own config.json (model.dir) or [model]"
 _REDUCE = "Gyre reduces a step's gradients across cells itself, after the step's last micro-step"
@@ -251,12 +252,62 @@ def make_scheduler(optimizer: Any, lr: float, total_steps: int, settings: Megatr
     steps = max(int(total_steps), 1)
     decay = s["lr_decay_steps"] or steps
     wd = float(settings.optimizer.get("weight_decay", 0.0))  # Gyre's default is no decay
+    start_wd = wd if s["start_wd"] is None else s["start_wd"]
+    end_wd = wd if s["end_wd"] is None else s["end_wd"]
+    # megatron-core asserts these without a message: say which setting is wrong
+    for ok, why in ((0 <= s["min_lr"] <= lr, f"min_lr ({s['min_lr']}) must lie in [0, training.lr = {lr}]"),
+                    (s["init_lr"] <= lr, f"init_lr ({s['init_lr']}) must not exceed training.lr ({lr})"),
+                    (decay > 0, f"lr_decay_steps must be > 0, got {decay}"),
+                    (s["lr_warmup_steps"] < decay, f"lr_warmup_steps ({s['lr_warmup_steps']}) must be fewer than "
+                                                   f"lr_decay_steps ({decay}; unset: run.steps)"),
+                    (s["lr_decay_style"] != "WSD" or s["wsd_decay_steps"] is not None,
+                     "lr_decay_style WSD needs wsd_decay_steps"),
+                    (0 <= start_wd <= end_wd, f"need 0 <= start_wd ({start_wd}) <= end_wd ({end_wd})"),
+                    (s["wd_incr_style"] != "constant" or start_wd == end_wd,
+                     "wd_incr_style constant needs start_wd == end_wd")):
+        if not ok:
+            raise ValueError(why)
     return OptimizerParamScheduler(
         optimizer, init_lr=s["init_lr"], max_lr=lr, min_lr=s["min_lr"],
         lr_warmup_steps=s["lr_warmup_steps"], lr_decay_steps=decay, lr_decay_style=s["lr_decay_style"],
-        start_wd=wd if s["start_wd"] is None else s["start_wd"], end_wd=wd if s["end_wd"] is None else s["end_wd"],
+        start_wd=start_wd, end_wd=end_wd,
         wd_incr_steps=s["wd_incr_steps"] or decay, wd_incr_style=s["wd_incr_style"],
         wsd_decay_steps=s["wsd_decay_steps"], lr_wsd_decay_style=s["lr_wsd_decay_style"])
+
+
+class _StubOptimizer:
+    """What the scheduler touches of an optimizer: its parameter groups (preflight only)."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = [{}]
+
+
+def settings_refused(table: Mapping[str, Any], spec: Any, pp: int = 1, tp: int = 1, ep: int = 1,
+                     precision: str = "fp32", total_steps: int = 1) -> list[str]:
+    """What megatron-core's own checks refuse in ``table`` together with the run's model and
+    layout (a recompute of more layers than a stage holds, a warm-up longer than the decay, ...):
+    the stage's configs and the schedule are built as the ranks will build them, nothing is
+    allocated. One line per config that refused, empty when all were accepted."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from gyre_megatron.model import transformer_config
+
+    settings = split_settings(table)
+    checks = (
+        ("TransformerConfig", lambda: transformer_config(spec, pp, tp, precision, ep, settings.transformer)),
+        ("DistributedDataParallelConfig", lambda: DistributedDataParallelConfig(**settings.ddp)),
+        ("OptimizerConfig", lambda: OptimizerConfig(**settings.optimizer)),
+        ("OptimizerParamScheduler", lambda: make_scheduler(_StubOptimizer(), 1.0, total_steps, settings)),
+    )
+    problems = []
+    for name, build in checks:
+        try:
+            build()
+        except Exception as exc:  # megatron-core's own message says what it wants
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            problems.append(f"training.megatron: megatron-core's {name} refuses these settings: {why}")
+    return problems
 
 
 def apply_schedule(scheduler: Any, step: int) -> float:

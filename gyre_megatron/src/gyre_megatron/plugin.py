@@ -50,7 +50,12 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
     transfer engine wherever a satellite can join (it pulls the core's weights over it)."""
     from gyre_megatron.preflight import training_side_problems
 
+    training = config.get("training", {})
+
     return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)),
                                   model_dir=str(config.get("model", {}).get("dir") or ""),
                                   launcher=str(config.get("cluster", {}).get("launcher") or "local"),
-                                  megatron=config.get("training", {}).get("megatron") or {})
+                                  megatron=training.get("megatron") or {},
+                                  layout={**{k: training[k] for k in ("tp", "pp", "ep", "precision") if k in training},
+                                          "steps": config.get("run", {}).get("steps", 1),
+                                          "model": config.get("model", {})})

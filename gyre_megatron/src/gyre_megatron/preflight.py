@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["SUPPORTED_MEGATRON_CORE", "megatron_core_problem", "model_problems", "mooncake_problem",
+__all__ = ["SUPPORTED_MEGATRON_CORE", "megatron_core_problem", "megatron_settings_problems", "model_problems", "mooncake_problem",
            "training_side_problems"]
 
 SUPPORTED_MEGATRON_CORE = ">=0.13,<0.17"
@@ -99,10 +99,37 @@ def model_problems(model_dir: str) -> list[str]:
     return []
 
 
+def megatron_settings_problems(table: Mapping[str, Any], model_dir: str, layout: Mapping[str, Any]) -> list[str]:
+    """``[training.megatron]`` against the installed megatron-core: each key alone (its name and
+    type), then all of them together with the run's model and layout, as the ranks will build
+    their configs (``layout``: ``[training]``'s ``tp``, ``pp``, ``ep``, ``precision`` and
+    ``run.steps`` as ``steps``; the model's sizes from ``model.dir``, else ``[model]``'s)."""
+    from gyre_megatron.megatron_settings import settings_problems, settings_refused
+    from gyre_megatron.model import ModelSpec
+
+    problems = settings_problems(table)
+    if problems:
+        return problems
+    if model_dir and (Path(model_dir) / "config.json").is_file():
+        from gyre_megatron.hf_import import UnsupportedModel, spec_from_hf_dir
+
+        try:
+            spec = spec_from_hf_dir(model_dir)
+        except UnsupportedModel:
+            return []  # model_problems says why
+    else:
+        sizes = {k: v for k, v in layout.get("model", {}).items() if k in ModelSpec.__dataclass_fields__}
+        spec = ModelSpec(**sizes)
+    return settings_refused(table, spec, pp=int(layout.get("pp", 1)), tp=int(layout.get("tp", 1)),
+                            ep=int(layout.get("ep", 1)), precision=str(layout.get("precision", "fp32")),
+                            total_steps=int(layout.get("steps", 1)))
+
+
 def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local",
-                           megatron: Mapping[str, Any] | None = None) -> list[str]:
+                           megatron: Mapping[str, Any] | None = None,
+                           layout: Mapping[str, Any] | None = None) -> list[str]:
     """One line per problem; ``megatron`` (``[training.megatron]``) is checked against the
-    installed megatron-core's own dataclasses once it is found."""
+    installed megatron-core once it is found (:func:`megatron_settings_problems`)."""
     problems: list[str] = []
     if launcher == "ray" and importlib.util.find_spec("ray") is None:
         problems.append("Ray: not installed, and cluster.launcher = \"ray\" needs it (pip install 'gyre-megatron[ray]')")
@@ -118,9 +145,7 @@ def training_side_problems(cells: int, model_dir: str = "", launcher: str = "loc
         elif mod == "megatron.core" and (p := megatron_core_problem()):
             problems.append(p)
         elif mod == "megatron.core" and megatron:
-            from gyre_megatron.megatron_settings import settings_problems
-
-            problems.extend(settings_problems(megatron))
+            problems.extend(megatron_settings_problems(megatron, model_dir, layout or {}))
     if cells > 1:  # satellites join a running step by pulling the core's weights over Mooncake
         p = mooncake_problem()
         if p:
