@@ -14,7 +14,8 @@
 # What the group measures: a real model's training state and a SGLang engine taking turns on one
 # GPU across role switches (NVML per phase, each phase's time), bf16 with a float32 optimizer
 # and bf16 publication (Qwen3 and Qwen3-MoE layouts),
-# the offloader on device tensors, and the engine's memory saver.
+# the offloader on device tensors, the engine's memory saver, and bf16 with full activation
+# recompute ([training.megatron]) against bf16 without.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
