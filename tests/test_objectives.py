@@ -304,3 +304,61 @@ def test_a_correction_is_checked_and_named_in_the_config() -> None:
         load_run_config(overrides={"training.correction": '"clip"'})
     with pytest.raises(ConfigError, match="training.correction_high"):
         load_run_config(overrides={"training.correction": '"mis"', "training.correction_high": "0.5"})
+
+
+def kl_reference(estimator: str, logp: list[float], ref: list[float], weights: list[float]) -> tuple[float, list[float]]:
+    """Σ_t w_t KL_t and its gradient in plain float64 Python: k1 = δ, k3 = e^{−δ} − 1 + δ
+    (δ = log π_θ − log π_ref); low_var is k3 clamped to [−10, 10] (its gradient 0 where clamped)."""
+    loss, grad = 0.0, [0.0] * len(logp)
+    for t, (lp, r, w) in enumerate(zip(logp, ref, weights)):
+        if w <= 0:
+            continue
+        d = lp - r
+        if estimator == "k1":
+            k, g = d, 1.0
+        else:
+            k, g = math.exp(-d) - 1 + d, 1 - math.exp(-d)
+            if estimator == "low_var" and not -10 <= k <= 10:
+                k, g = max(-10.0, min(10.0, k)), 0.0
+        loss += w * k
+        grad[t] = w * g
+    return loss, grad
+
+
+@pytest.mark.parametrize("estimator", ("k1", "k3", "low_var"))
+@pytest.mark.parametrize("kind", ("gspo", "dapo"))
+def test_a_kl_penalty_matches_its_float64_reference(kind: str, estimator: str) -> None:
+    """The objective plus β · Σ w_t KL_t (w_t the objective's own token weights), with one
+    token's log-ratio to the reference past low_var's clamp."""
+    batch, logp = _batch(3)
+    g = torch.Generator().manual_seed(5)
+    ref = logp.detach() + 0.3 * torch.randn(len(logp), generator=g, dtype=torch.float64)
+    trained = torch.nonzero(batch.loss_weights > 0).flatten()
+    ref[trained[0]] = logp[trained[0]] + 12.0  # k3 = e^12 - 13: clamped by low_var
+    plain = config(kind)
+    cfg = ObjectiveConfig(**{**plain.__dict__, "kl_coef": 0.1, "kl_estimator": estimator})
+    weights = (batch.loss_weights.tolist() if kind == "gspo" else
+               [1.0 / (batch.n_executions * cfg.token_normaliser) if w > 0 else 0.0 for w in batch.loss_weights.tolist()])
+    kl_loss, kl_grad = kl_reference(estimator, logp.tolist(), ref.tolist(), weights)
+    lp0 = logp.clone().requires_grad_()
+    base, _ = microstep_objective(lp0, batch, plain)
+    base.backward()
+    lp = logp.clone().requires_grad_()
+    loss, fig = microstep_objective(lp, batch, cfg, ref_logprobs=ref)
+    loss.backward()
+    assert loss.item() == pytest.approx(base.item() + 0.1 * kl_loss, rel=1e-12)
+    want = lp0.grad + 0.1 * torch.tensor(kl_grad, dtype=torch.float64)
+    assert (lp.grad - want).norm() <= 1e-12 * want.norm()
+    if estimator != "k1":
+        assert float(fig["kl_ref_sum"]) >= 0  # k3 is never negative
+    with pytest.raises(ValueError, match="reference"):
+        microstep_objective(logp, batch, cfg)  # asked for, and nothing to compare with: refused
+
+
+def test_a_kl_penalty_is_set_in_the_config() -> None:
+    cfg = load_run_config(overrides={"training.kl_coef": "0.05", "training.kl_estimator": '"k3"'}).training
+    assert (cfg.objective_config().kl_coef, cfg.objective_config().kl_estimator) == (0.05, "k3")
+    with pytest.raises(ConfigError, match="training.kl_estimator"):
+        load_run_config(overrides={"training.kl_estimator": '"k2"'})
+    with pytest.raises(ConfigError, match="training.kl_coef"):
+        load_run_config(overrides={"training.kl_coef": "-1.0"})

@@ -18,5 +18,5 @@ def test_training_figures_sum_over_cells_and_take_ratios_of_sums() -> None:
                  "correction_fraction": 0.0, "entropy": 0.0,
                  "ratio_mean": 1.0125, "ratio_max": 1.5, "tokens": 40,
                  "logp_diff_mean": 0.02, "logp_diff_max": 0.4, "kl_k3": 0.0001,
-                 "ratio_pass_tokens": 16, "ratio_pass_s": 0.375}
+                 "ratio_pass_tokens": 16, "ratio_pass_s": 0.375, "kl_ref": 0.0, "reference_pass_s": 0.0}
     assert training_figures([[{"rank": 0}]])["loss"] is None  # a backend that reports nothing: no figures

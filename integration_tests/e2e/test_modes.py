@@ -65,7 +65,8 @@ def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
                            "--set", "training.correction=tis",
                            # the team's Megatron settings: Adam's beta2, weight decay, a linear decay
                            "--set", "training.megatron={adam_beta2 = 0.98, weight_decay = 0.01, "
-                                    "lr_decay_style = \"linear\", min_lr = 1e-5}")
+                                    "lr_decay_style = \"linear\", min_lr = 1e-5}",
+                           "--set", "training.kl_coef=0.1")  # a KL penalty to the warm start
     # two cells of two ranks each (tensor and expert parallel)
     assert sorted(p.name for p in (tmp_path / "async").glob("rank*.log")) == [f"rank{r}.log" for r in range(4)]
     assert summary["mode"] == "async"
@@ -81,6 +82,12 @@ def test_async_trains_on_a_fixed_pool(tmp_path: Path) -> None:
     # megatron-core's schedule over the run's steps, from training.lr (1e-4) down to min_lr
     lrs = [rec["lr"] for rec in summary["step_records"]]
     assert lrs == pytest.approx([1e-4 - (1e-4 - 1e-5) * s / STEPS for s in range(STEPS)], rel=1e-9), lrs
+
+    # the KL penalty's reference is the warm start: step 0 trains the warm start itself (KL 0),
+    # the next one a policy an update away from it
+    kls = [rec["kl_ref"] for rec in summary["step_records"]]
+    assert abs(kls[0]) < 1e-7 < kls[-1], kls
+    assert all(rec["reference_pass_s"] > 0 for rec in summary["step_records"])
 
     # the training pool (cell 0) switches once, at the start; cell 1 never switches
     switches = summary["role_switches"]

@@ -29,6 +29,7 @@ pytest.importorskip("transformers")
 from gyre_core.dataplane.objective import (  # noqa: E402
     GSPOConfig,
     ObjectiveConfig,
+    kl_penalty,
     log_ratio_sums,
     objective_loss,
     target_logprobs,
@@ -74,7 +75,7 @@ def world(request, tmp_path_factory):
                            normalise_by_tokens=False)
     else:
         opts = RankOptions(cells=1, pp=int(request.param[-1]), normalise_by_tokens=False)
-    with World(opts, n_queues=12) as w:
+    with World(opts, n_queues=16) as w:
         ref = publish(w, PublicationOptions(folder=str(tmp_path_factory.mktemp("gspo"))), version=0)
         hf = load_hf_model(ref.location).double()
         yield w, hf
@@ -96,23 +97,31 @@ def _per_expert(grads: dict) -> dict:
     return out
 
 
+def _logprobs(hf: torch.nn.Module, b, temperature: float = 1.0) -> torch.Tensor:
+    rows = []
+    for k in range(len(b.cu_seqlens) - 1):
+        a, z = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
+        toks = b.token_ids[a:z]
+        rows.append(target_logprobs(hf(toks[None]).logits[0] / temperature, toks, torch.tensor([0, z - a])))
+    return torch.cat(rows)
+
+
 def _reference(hf: torch.nn.Module, micro: list, config: GSPOConfig = GSPOConfig(),
-               per_pack: bool = False, temperature: float = 1.0) -> tuple[float, dict]:
+               per_pack: bool = False, temperature: float = 1.0,
+               reference_model: torch.nn.Module | None = None) -> tuple[float, dict]:
     """The batch loss and gradients with each execution's ratio over all its rows (or, with
-    ``per_pack``, over the rows in each pack: what clipping part by part would train)."""
+    ``per_pack``, over the rows in each pack: what clipping part by part would train); with
+    ``config.kl_coef``, plus the KL penalty to ``reference_model``."""
     hf.zero_grad()
     batches = [p.to_batch() for m in micro for p in m.packs]
-    lps = []
-    for b in batches:
-        rows = []
-        for k in range(len(b.cu_seqlens) - 1):
-            a, z = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
-            toks = b.token_ids[a:z]
-            rows.append(target_logprobs(hf(toks[None]).logits[0] / temperature, toks, torch.tensor([0, z - a])))
-        lps.append(torch.cat(rows))
+    lps = [_logprobs(hf, b, temperature) for b in batches]
     sums = [log_ratio_sums(lp, b) for lp, b in zip(lps, batches)]
     total = sum(sums)
     loss = sum(objective_loss(lp, b, config, s if per_pack else total) for lp, b, s in zip(lps, batches, sums))
+    if config.kl_coef > 0:
+        with torch.no_grad():
+            refs = [_logprobs(reference_model, b, temperature) for b in batches]
+        loss = loss + sum(kl_penalty(lp, b, config, r)[0] for lp, b, r in zip(lps, batches, refs))
     loss.backward()
     return float(loss.detach()), _per_expert({n: p.grad.detach().numpy().copy() for n, p in hf.named_parameters()
                                               if p.grad is not None})
@@ -269,6 +278,46 @@ def test_a_step_with_nothing_to_train_leaves_the_weights_alone(world) -> None:
                 np.testing.assert_array_equal(pb[name], pa[name], err_msg=name)
     finally:
         w.call(core, "restore_state")
+
+
+def test_a_kl_penalty_runs_each_micro_step_through_the_reference_weights(world, tmp_path) -> None:
+    """``training.kl_coef``: after one update the policy has moved from its reference (the
+    weights it started with, held frozen on each rank); every micro-step runs forward once more
+    through the reference, and the gradient of the objective plus β·KL equals the float64
+    reference with HF's model at the updated weights and at the reference's."""
+    from gyre_megatron.export import load_hf_model, publish
+
+    w, hf = world
+    core = w.ranks_of(0)
+    w.call(core, "hold_reference")
+    w.call(core, "save_state")
+    try:
+        tk = w.submit(core, "run_step", 200, 12)
+        q = w.queues[12]
+        for m in make_gspo_microsteps(hf, OFFSETS, ADVANTAGES, seed=11):
+            q.put(m)
+        q.close()
+        assert w.wait(tk, 120)[0]["update_ok"]
+        moved = load_hf_model(publish(w, PublicationOptions(folder=str(tmp_path)), version=201).location).double()
+        micro = make_gspo_microsteps(moved, OFFSETS, ADVANTAGES, split=(0, 1), seed=12)
+        for queue, estimator in ((13, "k1"), (14, "low_var")):
+            cfg = ObjectiveConfig(kl_coef=0.5, kl_estimator=estimator)
+            ref_loss, ref_grads = _reference(moved, micro, cfg, reference_model=hf)
+            _, plain = _reference(moved, micro)
+            grads, fig = _megatron(w, micro, queue, cfg)
+            scale = max(float(np.abs(g).max()) for g in ref_grads.values())
+            print(f"\nKL {estimator} pp{w.opts.pp} tp{w.opts.tp}: grad max|diff| {_worst(grads, ref_grads):.3g} "
+                  f"of max|g| {scale:.3g}, the penalty moves it by {_worst(plain, ref_grads):.3g}; "
+                  f"KL/token {fig['kl_ref_sum'] / fig['tokens']:.3g}, reference passes {fig['reference_pass_s']:.3f} s")
+            assert _worst(plain, ref_grads) > 1e-3 * scale  # the penalty is not lost in the tolerance
+            assert _worst(grads, ref_grads) <= 1e-5 * scale
+            assert fig["loss"] == pytest.approx(ref_loss, rel=1e-6, abs=1e-9)
+            assert fig["reference_pass_s"] > 0 and fig["ratio_pass_tokens"] > 0  # the split rows ran too
+            if estimator == "low_var":
+                assert fig["kl_ref_sum"] > 0  # the policy moved: k3 > 0
+    finally:
+        w.call(core, "restore_state")
+        w.call(core, "drop_reference")
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ __all__ = [
     "OBJECTIVE_CLIPS",
     "ObjectiveConfig",
     "SEQUENCE_OBJECTIVES",
+    "KL_ESTIMATORS",
     "GenerateResult",
     "HarnessEnds",
     "HarnessHandle",
@@ -250,6 +251,11 @@ CORRECTIONS: dict[str, tuple[float, float]] = {
 }
 """Each sampler–trainer correction (``training.correction``) and its default ``(low, high)``."""
 
+KL_ESTIMATORS = ("k1", "k3", "low_var")
+"""Estimators of KL(π_θ ‖ π_ref) on the sampled tokens (``training.kl_estimator``): ``k1`` the
+log-ratio, ``k3`` Schulman's unbiased non-negative one, ``low_var`` k3 clamped to [−10, 10]
+(verl's ``low_var_kl``)."""
+
 SEQUENCE_OBJECTIVES = ("gspo",)
 """Objectives whose clipping needs the whole execution's ratio (a split execution's other rows
 run forward only for it); the token-level ones need no such pass."""
@@ -282,6 +288,11 @@ class ObjectiveConfig:
     correction_low: float = 0.0
     correction_high: float = math.inf
     """The correction's bounds on each token's weight π_trainer / π_sampler."""
+    kl_coef: float = 0.0
+    """β of a KL penalty to the reference policy (the warm start); 0: none, and no reference
+    is held."""
+    kl_estimator: str = "low_var"
+    """One of :data:`KL_ESTIMATORS`."""
 
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:
@@ -303,6 +314,10 @@ class ObjectiveConfig:
             raise ValueError(f"need 0 <= clip_low {bound} and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.token_normaliser < 1:
             raise ValueError(f"token_normaliser must be >= 1, got {self.token_normaliser}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
 
     @property
     def sequence_level(self) -> bool:

@@ -133,6 +133,10 @@ class RankChecks:
         self.zero_grads()
         return {"rss_before_mib": before, "peak_mib": rss_mib("VmHWM"), "seconds": seconds}
 
+    def drop_reference(self) -> None:
+        """Let go of the reference policy :meth:`hold_reference` kept (KL tests)."""
+        self.reference = None
+
     def settings_in_effect(self, names: list[str]) -> dict[str, Any]:
         """Each named field as this rank's ``TransformerConfig``, DDP config and (core) optimizer
         config hold it (the first that has it, as a string for enums), and the core's current

@@ -18,17 +18,19 @@ def objective_figures(losses: Sequence[Any], stream: Any = None) -> dict[str, fl
     executions' other rows: its tokens and seconds."""
     out = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "clipped_tokens": 0.0, "corrected_tokens": 0.0,
            "entropy_sum": 0.0, "ratio_sum": 0.0,
-           "ratio_max": 0.0, "tokens": 0.0, "abs_delta_sum": 0.0, "abs_delta_max": 0.0, "k3_sum": 0.0}
+           "ratio_max": 0.0, "tokens": 0.0, "abs_delta_sum": 0.0, "abs_delta_max": 0.0, "k3_sum": 0.0,
+           "kl_ref_sum": 0.0}
     if stream is not None:
         out["ratio_pass_tokens"] = float(stream.outside_tokens)
         out["ratio_pass_s"] = float(stream.outside_s)
+        out["reference_pass_s"] = float(getattr(stream, "reference_s", 0.0))
     for d in losses:
         if not isinstance(d, dict):
             continue
         out["loss"] += float(d.get("loss", d.get("loss_sum", 0.0)))
         out["tokens"] += float(d.get("tokens", 0.0))
         for k in ("executions", "clipped", "clipped_tokens", "corrected_tokens", "entropy_sum", "ratio_sum",
-                  "abs_delta_sum", "k3_sum"):
+                  "abs_delta_sum", "k3_sum", "kl_ref_sum"):
             out[k] += float(d.get(k, 0.0))
         for k in MAXIMA:
             out[k] = max(out[k], float(d.get(k, 0.0)))

@@ -103,6 +103,8 @@ def microstep_to_item(ms: Any, dp_rank: int = 0, objective: ObjectiveConfig | No
         item["objective"] = objective
     if pack.outside and (objective is None or objective.sequence_level):
         item["outside"] = _outside_chunks(pack, multiple)
+    if objective is not None and objective.kl_coef > 0:  # the stream runs it through the reference first
+        item["reference_pass"] = True
     return item
 
 

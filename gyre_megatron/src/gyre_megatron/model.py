@@ -300,7 +300,7 @@ def _objective_loss(item: dict[str, torch.Tensor], entropy: torch.Tensor | None,
         n_executions=int(item["n_executions"]),
     )
     config = item.get("objective") or ObjectiveConfig()
-    loss, stats = microstep_objective(logprobs, batch, config, item.get("outside_sums"))
+    loss, stats = microstep_objective(logprobs, batch, config, item.get("outside_sums"), item.get("ref_logprobs"))
     n = (batch.loss_weights > 0).sum().to(torch.int)
     if entropy is not None:
         stats["entropy_sum"] = entropy.reshape(-1)[batch.loss_weights > 0].to(torch.float64).sum()
@@ -325,6 +325,16 @@ def _ratio_sums(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
     sums = log_ratio_sums(-output_tensor.detach().float().reshape(-1).double(), batch)
     zero = output_tensor.new_zeros((), dtype=torch.float32)
     return zero, torch.zeros((), dtype=torch.int, device=labels.device), {"ratio_sums": sums}
+
+
+def _reference_logprobs(item: dict[str, torch.Tensor], output_tensor: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-step's forward through the reference policy (a KL penalty): no loss, only its
+    per-token log-probs, laid out as the trained pass's own (see :func:`_objective_loss`)."""
+    zero = output_tensor.new_zeros((), dtype=torch.float32)
+    labels = item["labels"]
+    return zero, torch.zeros((), dtype=torch.int, device=labels.device), {
+        "ref_logprobs": (-output_tensor.detach().float().reshape(-1)).clone()}
 
 
 def _last_stage(model: Any) -> bool:
@@ -379,7 +389,7 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
     tokens = item["tokens"]
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     temperature = item.get("temperature")
-    trained = "advantages" in item and "ratio_only" not in item
+    trained = "advantages" in item and "ratio_only" not in item and "reference_only" not in item
     entropy = None
     if (temperature is not None or trained) and _last_stage(model):
         logits = model(tokens, position_ids, None)
@@ -392,6 +402,8 @@ def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: An
         out = model(tokens, position_ids, None, labels=item["labels"])
     if "ratio_only" in item:
         return out, partial(_ratio_sums, item)
+    if "reference_only" in item:
+        return out, partial(_reference_logprobs, item)
     if trained:
         return out, partial(_objective_loss, item, entropy)
     return out, partial(_per_token_loss, item["loss_mask"])

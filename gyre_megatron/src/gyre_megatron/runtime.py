@@ -23,11 +23,12 @@ broadcast to the satellites that stay for the next step of the burst.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,11 @@ class CellRank(RankChecks):
         self.model = self.ddp
         if opts.init_from:
             self._load_hf(opts.init_from)
+        self.reference: list[torch.Tensor] | None = None
+        """A KL penalty's reference policy: this rank's parameters as the run started (the warm
+        start), frozen; every training rank holds its own shard, since satellites train too."""
+        if opts.objective.kl_coef > 0:
+            self.hold_reference()
         # with tied embeddings and P > 1 the first stage's embedding and the last stage's output
         # layer are two copies of one matrix: their gradients are summed over this group
         self.embedding_group = ps.get_embedding_group() if opts.spec.tie_embeddings and P > 1 else None
@@ -249,7 +255,28 @@ class CellRank(RankChecks):
         return int(box[0])
 
     def _stream(self, control: ControlChannel) -> Any:
-        return run_streaming_1f1b(self.model, self.config, self.p2p, control, gpt_forward_step, self._shape_of)
+        reference = self._reference_weights if self.reference is not None else None
+        return run_streaming_1f1b(self.model, self.config, self.p2p, control, gpt_forward_step, self._shape_of,
+                                  reference)
+
+    def hold_reference(self) -> None:
+        """Keep a frozen copy of this rank's parameters as they are now (the reference policy)."""
+        self.reference = [p.detach().clone() for p in self.params]
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """This stage's parameters are the reference's inside the block: each parameter's data
+        is pointed at the reference's tensor (nothing is copied), and back on the way out."""
+        assert self.reference is not None
+        params = list(self.ddp.module.parameters())
+        current = [p.data for p in params]
+        for p, r in zip(params, self.reference, strict=True):
+            p.data = r
+        try:
+            yield
+        finally:
+            for p, c in zip(params, current, strict=True):
+                p.data = c
 
     def grad_buffers(self) -> list[torch.Tensor]:
         buffers = list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", []))
@@ -428,6 +455,7 @@ class CellRank(RankChecks):
     # ------------------------------------------------------------------ §4 enter / leave
     def _state_tensors(self) -> list[torch.Tensor]:
         ts = list(self.params) + self.grad_buffers() + [b for b in self.ddp.module.buffers()]
+        ts += list(self.reference or [])
         if self.optimizer is not None:
             for st in self.optimizer.optimizer.state.values():
                 ts += [v for v in st.values() if isinstance(v, torch.Tensor)]

@@ -147,6 +147,8 @@ class StreamResult:
     outside_tokens: int = 0
     """Tokens run forward only for split executions' ratios."""
     outside_s: float = 0.0
+    reference_s: float = 0.0
+    """Seconds of forward-only passes through the reference policy (a KL penalty)."""
 
 
 def run_streaming_1f1b(
@@ -156,8 +158,13 @@ def run_streaming_1f1b(
     control: ControlChannel,
     forward_step_func: Callable[..., Any],
     shape_of: Callable[[Any], list[tuple[int, ...]]],
+    reference: Callable[[], Any] | None = None,
 ) -> StreamResult:
     """Forward and backward every micro-step of the stream through this pipeline stage.
+
+    ``reference``: a context manager factory under which this stage's parameters are the
+    reference policy's; an item marked ``reference_pass`` runs forward once through it first
+    (every stage, no gradient), and the last stage hands its per-token log-probs to the item.
 
     ``shape_of(item)`` is the activation shape sent between stages for that item; every stage
     knows each item, so shapes need no extra communication even when lengths vary.
@@ -202,10 +209,28 @@ def run_streaming_1f1b(
             item["outside_sums"] = sums
         res.outside_s += time.monotonic() - t0
 
+    def reference_pass(item: dict[str, Any]) -> None:
+        """Forward-only through the reference weights; ``ref_logprobs`` go into the item (last stage)."""
+        if reference is None:
+            raise RuntimeError("a micro-step asks for the reference policy, and this rank holds none")
+        t0 = time.monotonic()
+        probe = {k: v for k, v in item.items() if k not in ("outside", "reference_pass", "outside_sums")}
+        probe["reference_only"] = True
+        x = p2p.recv_forward(shape_of(item))
+        kept: list[Any] = []
+        with torch.no_grad(), reference():
+            y, _ = compat.forward_step(forward_step_func, iter([probe]), model, x, kept, config, p2p.is_last, 0)
+        p2p.send_forward(y)
+        if p2p.is_last:
+            item["ref_logprobs"] = kept[-1]["ref_logprobs"]
+        res.reference_s += time.monotonic() - t0
+
     def take() -> Any:
         item = control.next_item()
         if isinstance(item, dict) and item.get("outside"):
             ratio_pass(item)
+        if isinstance(item, dict) and item.get("reference_pass"):
+            reference_pass(item)
         return item
 
     def backward(grad: Any) -> Any:

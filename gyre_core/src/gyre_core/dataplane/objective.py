@@ -81,6 +81,13 @@ the current one: AReaL's decoupled objective with the current policy as the prox
 weight covering staleness and mismatch together. A correction needs no whole-execution ratio,
 so GSPO with one skips the forward pass over a split execution's other rows too.
 
+**A KL penalty to the reference policy** (``training.kl_coef`` β > 0, :func:`kl_penalty`): the
+loss gains ``β · Σ_t w_t · KL_t`` over the trained tokens, ``w_t`` the objective's own token
+weights (``W_t``, or ``V_t`` for DAPO and CISPO), ``KL_t`` an estimate of KL(π_θ ‖ π_ref) from the
+sampled token (:func:`kl_to_reference`: k1, k3 or k3 clamped), with gradient through log π_θ. The
+trainer runs each micro-step forward through the frozen reference weights first and hands the
+per-token ``ref_logprobs`` to :func:`microstep_objective`.
+
 Whatever the objective, the figures carry the sampler–trainer gap on the trained tokens:
 ``|δ_t|`` (sum and max) and the K3 estimate of KL(π_b ‖ π_θ), ``r_t − 1 − δ_t``, per token
 (Schulman's k3: unbiased, never negative, for tokens sampled from π_b).
@@ -112,6 +119,8 @@ __all__ = [
     "ObjectiveConfig",
     "TokenBatch",
     "correction_weights",
+    "kl_penalty",
+    "kl_to_reference",
     "load_custom_objective",
     "objective_loss",
     "group_advantages",
@@ -297,6 +306,27 @@ def correction_weights(logprobs: torch.Tensor, batch: TokenBatch, config: Object
     return torch.where(outside, torch.zeros_like(rho), rho), outside
 
 
+def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per token the estimate of KL(π_θ ‖ π_ref) from a token sampled by (about) π_θ, with
+    gradient through ``logprobs``: ``k1`` = log π_θ − log π_ref; ``k3`` = e^{−k1} − 1 + k1
+    (unbiased, never negative); ``low_var`` = k3 clamped to [−10, 10] (verl's ``low_var_kl``)."""
+    k1 = logprobs - ref_logprobs.to(logprobs.dtype)
+    if estimator == "k1":
+        return k1
+    r = (-k1).clamp(-20.0, 20.0) if estimator == "low_var" else -k1  # log π_ref − log π_θ
+    k3 = torch.expm1(r) - r  # e^r − 1 − r without the cancellation of a small r
+    return k3.clamp(-10.0, 10.0) if estimator == "low_var" else k3
+
+
+def kl_penalty(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig,
+               ref_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``β · Σ_t w_t · KL_t`` over the trained tokens, weighted as the objective weighs them
+    (``W_t``; DAPO and CISPO: ``V_t``), and the per-token KL estimates (0 off them)."""
+    w = _token_weights(batch, config, logprobs.dtype)
+    kl = torch.where(w > 0, kl_to_reference(logprobs, ref_logprobs, config.kl_estimator), torch.zeros_like(logprobs))
+    return config.kl_coef * (w * kl).sum(), kl.detach()
+
+
 def objective_loss(logprobs: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig,
                    ratio_sums: torch.Tensor, outside_sums: torch.Tensor | None = None) -> torch.Tensor:
     """This micro-step's share of the batch loss under ``config.kind`` and ``config.correction``;
@@ -321,6 +351,7 @@ def microstep_objective(
     batch: TokenBatch,
     config: ObjectiveConfig = ObjectiveConfig(),
     outside_sums: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This pack's share of the batch loss under ``config``'s objective, and its figures.
 
@@ -337,12 +368,20 @@ def microstep_objective(
     of its weight ``Σ W_t`` held there, so the parts add up to one execution); ``clipped_tokens``;
     ``corrected_tokens`` (those a correction truncated or masked);
     ``ratio_sum``, ``ratio_max`` and ``tokens`` over the weighted tokens' raw ratios ``π/π_b``;
-    ``abs_delta_sum``, ``abs_delta_max`` and ``k3_sum``, the sampler–trainer gap on them. A
-    custom objective's clipping is its own: it reports none.
+    ``abs_delta_sum``, ``abs_delta_max`` and ``k3_sum``, the sampler–trainer gap on them;
+    with a KL penalty (``ref_logprobs``: the reference policy's log-probs, laid out as
+    ``logprobs``), ``kl_ref_sum``, its estimate summed over the trained tokens. A custom
+    objective's clipping is its own: it reports none.
     """
     here = log_ratio_sums(logprobs, batch)
     sums = here if outside_sums is None else here + outside_sums.to(here.dtype)
     loss = objective_loss(logprobs, batch, config, sums, outside_sums)
+    kl_ref = None
+    if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs the reference policy's log-probs of this micro-step")
+        penalty, kl_ref = kl_penalty(logprobs, batch, config, ref_logprobs)
+        loss = loss + penalty
     with torch.no_grad():
         present = here[1] > 0
         tiny = torch.finfo(sums.dtype).tiny
@@ -391,4 +430,6 @@ def microstep_objective(
             "abs_delta_max": d.abs().max() if len(d) else zero,
             "k3_sum": (torch.exp(d) - 1 - d).sum(),
         }
+        if kl_ref is not None:  # the penalty's own estimate, over the trained tokens
+            stats["kl_ref_sum"] = kl_ref[weighted].to(torch.float64).sum()
     return loss, stats

@@ -19,7 +19,7 @@ __all__ = ["step_metrics"]
 
 _TRAIN = ("loss", "grad_norm", "lr", "clip_fraction", "token_clip_fraction", "correction_fraction", "ratio_mean",
           "ratio_max", "tokens", "entropy",
-          "logp_diff_mean", "logp_diff_max", "kl_k3", "micro_steps", "split_executions", "duration_s", "executions")
+          "logp_diff_mean", "logp_diff_max", "kl_k3", "kl_ref", "micro_steps", "split_executions", "duration_s", "executions")
 
 
 def _put(out: dict[str, float], name: str, value: Any) -> None:

@@ -214,6 +214,13 @@ class TrainingSection(_Section):
     correction_high: float | None = Field(None, gt=1)
     """The correction's upper bound; unset: its own (tis and mis 2, icepop 5)."""
 
+    kl_coef: float = Field(0.0, ge=0)
+    """β of a KL penalty to the reference policy, the run's warm start (``model.dir``, or the
+    seeded tiny model); 0: none. Above 0 every training rank holds a frozen copy of its
+    parameters and runs each micro-step forward once more through it (README, "Objectives")."""
+    kl_estimator: Literal["k1", "k3", "low_var"] = "low_var"
+    """``k1`` (log π_θ − log π_ref), ``k3`` (Schulman's), or ``low_var`` (k3 clamped to [−10, 10])."""
+
     def objective_config(self) -> ObjectiveConfig:
         """The objective's settings, with each unset bound the objective's (or correction's) own."""
         builtin = self.objective in OBJECTIVES
@@ -226,7 +233,8 @@ class TrainingSection(_Section):
             clip_high=high if self.clip_high is None else self.clip_high,
             correction=self.correction,
             correction_low=c_low if self.correction_low is None else self.correction_low,
-            correction_high=c_high if self.correction_high is None else self.correction_high)
+            correction_high=c_high if self.correction_high is None else self.correction_high,
+            kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
 
 
 class ServingSection(_Section):

@@ -24,7 +24,8 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
     total: dict[str, float] = {"loss": 0.0, "executions": 0.0, "clipped": 0.0, "clipped_tokens": 0.0,
                                "corrected_tokens": 0.0, "entropy_sum": 0.0,
                                "ratio_sum": 0.0, "tokens": 0.0, "abs_delta_sum": 0.0, "k3_sum": 0.0,
-                               "ratio_pass_tokens": 0.0, "ratio_pass_s": 0.0}
+                               "ratio_pass_tokens": 0.0, "ratio_pass_s": 0.0, "kl_ref_sum": 0.0,
+                               "reference_pass_s": 0.0}
     ratio_max, delta_max, grad_norm, lr, seen = 0.0, 0.0, None, None, False
     for infos in cell_infos:
         for info in infos:
@@ -43,7 +44,8 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
         return {"loss": None, "grad_norm": grad_norm, "lr": lr, "clip_fraction": None, "token_clip_fraction": None,
                 "correction_fraction": None, "entropy": None,
                 "ratio_mean": None, "ratio_max": None, "tokens": None, "logp_diff_mean": None,
-                "logp_diff_max": None, "kl_k3": None, "ratio_pass_tokens": None, "ratio_pass_s": None}
+                "logp_diff_max": None, "kl_k3": None, "kl_ref": None, "ratio_pass_tokens": None, "ratio_pass_s": None,
+                "reference_pass_s": None}
     tokens = total["tokens"]
     return {
         "loss": round(total["loss"], 6),
@@ -65,4 +67,7 @@ def training_figures(cell_infos: Sequence[Sequence[Mapping[str, Any]]]) -> dict[
         # the forward-only pass that gives split executions their whole-execution ratio
         "ratio_pass_tokens": int(total["ratio_pass_tokens"]),
         "ratio_pass_s": round(total["ratio_pass_s"], 3),
+        # a KL penalty: its estimate of KL(π_θ ‖ π_ref) per trained token, and the reference passes' time
+        "kl_ref": round(total["kl_ref_sum"] / tokens, 8) if tokens else None,
+        "reference_pass_s": round(total["reference_pass_s"], 3),
     }
