@@ -98,6 +98,7 @@ def test_preflight_refuses_what_megatron_core_refuses_with_the_runs_model() -> N
     cases = {
         '{recompute_granularity = "full"}': "TransformerConfig",  # full recompute without its method
         '{lr_warmup_steps = 5, lr_decay_steps = 3}': "OptimizerParamScheduler",  # warm-up past the decay
+        '{min_lr = 1e-3}': "OptimizerParamScheduler",  # above the example's training.lr (1e-4)
         '{adam_beta2 = 0.95, weight_decay = 0.01}': None,
     }
     for table, refused_by in cases.items():

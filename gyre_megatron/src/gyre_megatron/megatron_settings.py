@@ -30,8 +30,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["MEGATRON_LM_NAMES", "OWNED", "SCHEDULER_DEFAULTS", "MegatronSettings", "apply_schedule", "make_scheduler", "settings_problems", "settings_refused",
-           "split_settings"]
+__all__ = ["MEGATRON_LM_NAMES", "OWNED", "SCHEDULER_DEFAULTS", "MegatronSettings", "apply_schedule", "make_scheduler",
+           "settings_problems", "settings_refused", "signature_keys", "split_settings"]
 
 _MODEL = "the model's own config.json (model.dir) or [model]"
 _REDUCE = "Gyre reduces a step's gradients across cells itself, after the step's last micro-step"
@@ -283,9 +283,10 @@ class _StubOptimizer:
 
 
 def settings_refused(table: Mapping[str, Any], spec: Any, pp: int = 1, tp: int = 1, ep: int = 1,
-                     precision: str = "fp32", total_steps: int = 1) -> list[str]:
-    """What megatron-core's own checks refuse in ``table`` together with the run's model and
-    layout (a recompute of more layers than a stage holds, a warm-up longer than the decay, ...):
+                     precision: str = "fp32", total_steps: int = 1, lr: float = 1.0) -> list[str]:
+    """What megatron-core's own checks refuse in ``table`` together with the run's model,
+    layout, peak learning rate and steps (full recompute without a method, a warm-up longer than
+    the decay, a ``min_lr`` above ``training.lr``, ...):
     the stage's configs and the schedule are built as the ranks will build them, nothing is
     allocated. One line per config that refused, empty when all were accepted."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -298,7 +299,7 @@ def settings_refused(table: Mapping[str, Any], spec: Any, pp: int = 1, tp: int =
         ("TransformerConfig", lambda: transformer_config(spec, pp, tp, precision, ep, settings.transformer)),
         ("DistributedDataParallelConfig", lambda: DistributedDataParallelConfig(**settings.ddp)),
         ("OptimizerConfig", lambda: OptimizerConfig(**settings.optimizer)),
-        ("OptimizerParamScheduler", lambda: make_scheduler(_StubOptimizer(), 1.0, total_steps, settings)),
+        ("OptimizerParamScheduler", lambda: make_scheduler(_StubOptimizer(), lr, total_steps, settings)),
     )
     problems = []
     for name, build in checks:

@@ -47,15 +47,16 @@ def gyre_shutdown() -> None:
 @hookimpl
 def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
     """What the training side of ``config`` would fail to load: megatron-core, and Mooncake's
-    transfer engine wherever a satellite can join (it pulls the core's weights over it)."""
+    transfer engine wherever a satellite can join (it pulls the core's weights over it), and
+    whether ``[training.megatron]`` is settings megatron-core takes."""
     from gyre_megatron.preflight import training_side_problems
 
     training = config.get("training", {})
-
     return training_side_problems(cells=int(config.get("scheduler", {}).get("cells", 1)),
                                   model_dir=str(config.get("model", {}).get("dir") or ""),
                                   launcher=str(config.get("cluster", {}).get("launcher") or "local"),
                                   megatron=training.get("megatron") or {},
-                                  layout={**{k: training[k] for k in ("tp", "pp", "ep", "precision") if k in training},
+                                  layout={**{k: training[k] for k in ("tp", "pp", "ep", "precision", "lr")
+                                             if k in training},
                                           "steps": config.get("run", {}).get("steps", 1),
                                           "model": config.get("model", {})})

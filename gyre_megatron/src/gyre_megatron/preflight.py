@@ -102,7 +102,7 @@ def model_problems(model_dir: str) -> list[str]:
 def megatron_settings_problems(table: Mapping[str, Any], model_dir: str, layout: Mapping[str, Any]) -> list[str]:
     """``[training.megatron]`` against the installed megatron-core: each key alone (its name and
     type), then all of them together with the run's model and layout, as the ranks will build
-    their configs (``layout``: ``[training]``'s ``tp``, ``pp``, ``ep``, ``precision`` and
+    their configs (``layout``: ``[training]``'s ``tp``, ``pp``, ``ep``, ``precision``, ``lr`` and
     ``run.steps`` as ``steps``; the model's sizes from ``model.dir``, else ``[model]``'s)."""
     from gyre_megatron.megatron_settings import settings_problems, settings_refused
     from gyre_megatron.model import ModelSpec
@@ -122,7 +122,7 @@ def megatron_settings_problems(table: Mapping[str, Any], model_dir: str, layout:
         spec = ModelSpec(**sizes)
     return settings_refused(table, spec, pp=int(layout.get("pp", 1)), tp=int(layout.get("tp", 1)),
                             ep=int(layout.get("ep", 1)), precision=str(layout.get("precision", "fp32")),
-                            total_steps=int(layout.get("steps", 1)))
+                            total_steps=int(layout.get("steps", 1)), lr=float(layout.get("lr", 1.0)))
 
 
 def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local",
