@@ -139,7 +139,10 @@ def _run_killing_the_satellite(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]
         os.kill(pid, signal.SIGKILL)
         return {"pid": pid}
 
-    on_started, parts, killed = kill_once_joined(KILL_AT, 1, kill)
+    # killed as it registers: with the small steps of this run a wait for its claims could let the
+    # step end first, and the kill land in the cell's next role switch (a case this run does not
+    # cover; the re-stream of claimed micro-steps is test_training_side.py's)
+    on_started, parts, killed = kill_once_joined(KILL_AT, 1, kill, claim_wait_s=0.0)
     summary = run_live(cfg, lambda m: None, on_started=on_started)
     print(f"killed {killed}; satellite failures {summary['satellite_failures']}; "
           f"steps {[(r['step'], r['cells'], r['micro_steps'], r['duration_s']) for r in summary['step_records']]}")

@@ -147,10 +147,15 @@ def rank_store(port: int, timeout_s: float = 10.0) -> Any:
     return dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
 
 
-async def strike_once_joined(store: Any, step: int, cell: int, strike: Any, timeout_s: float = 600.0) -> str:
-    """Wait until cell ``cell`` has joined step ``step`` (its key in the ranks' store), give it a
-    moment to claim micro-steps, then call ``strike()`` (kill it). Returns what the cell had
-    claimed (``"1,4,"``: the micro-step indices a finished step must stream again)."""
+async def strike_once_joined(store: Any, step: int, cell: int, strike: Any, timeout_s: float = 600.0,
+                             claim_wait_s: float = 1.0) -> str:
+    """Wait until cell ``cell`` has joined step ``step`` (its key in the ranks' store), give it
+    ``claim_wait_s`` to claim micro-steps, then call ``strike()`` (kill it). Returns what the cell
+    had claimed (``"1,4,"``: the micro-step indices a finished step must stream again).
+
+    A claim puts the strike inside the step; without one, a wait lets a short step end first and
+    the strike land between steps. ``claim_wait_s = 0`` strikes as the cell registers: the step
+    cannot end before its gradient reduction, which waits for the joined cell."""
     import asyncio
 
     joined, claimed = f"gyre/step{step}/join{cell}", f"gyre/step{step}/claimed{cell}"
@@ -159,14 +164,14 @@ async def strike_once_joined(store: Any, step: int, cell: int, strike: Any, time
         await asyncio.sleep(0.01)
         if store.check([joined]) and store.get(joined) == b"joined":
             t = time.monotonic()  # a moment to claim, if the core leaves it any
-            while time.monotonic() - t < 1.0 and not (store.check([claimed]) and store.get(claimed)):
+            while time.monotonic() - t < claim_wait_s and not (store.check([claimed]) and store.get(claimed)):
                 await asyncio.sleep(0.01)
             strike()
             return store.get(claimed).decode() if store.check([claimed]) else ""
     raise TimeoutError(f"cell {cell} did not join step {step} within {timeout_s:.0f} s")
 
 
-def kill_once_joined(step: int, cell: int, kill: Callable[[Any], dict[str, Any]]
+def kill_once_joined(step: int, cell: int, kill: Callable[[Any], dict[str, Any]], claim_wait_s: float = 1.0
                      ) -> tuple[Callable[[dict[str, Any]], None], dict[str, Any], dict[str, Any]]:
     """A live run's ``on_started`` (:func:`gyre_core.orchestrator.embedded.run_live`) that calls
     ``kill(world)`` once cell ``cell`` has joined step ``step`` (:func:`strike_once_joined`).
@@ -182,7 +187,7 @@ def kill_once_joined(step: int, cell: int, kill: Callable[[Any], dict[str, Any]]
             orch = parts["orchestrator"]
             world = orch.cells[cell].training.world
             claimed = await strike_once_joined(rank_store(world.port), step, cell,
-                                               lambda: killed.update(kill(world)))
+                                               lambda: killed.update(kill(world)), claim_wait_s=claim_wait_s)
             killed.update(at=orch.now(), claimed=claimed)
         except Exception as e:
             killed["error"] = f"{type(e).__name__}: {e}"
