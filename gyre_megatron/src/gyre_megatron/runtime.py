@@ -593,7 +593,13 @@ class CellRank(RankChecks):
         return info
 
     def _claims(self, step: int, cell: int) -> list[int]:
-        raw = self.store.get(self._key(step, f"claimed{cell}"))
+        """What cell ``cell`` claimed in ``step``, from its ledger. A cell that died after it
+        registered but before it wrote its ledger (while pulling the core's weights) claimed
+        nothing: its claims are made only through the ledger."""
+        key = self._key(step, f"claimed{cell}")
+        if not self.store.check([key]):
+            return []
+        raw = self.store.get(key)
         return [int(x) for x in (raw.decode() if isinstance(raw, bytes) else str(raw)).split(",") if x]
 
     def resume_step(self, step: int, queue_idx: int, final: bool = False) -> dict[str, Any]:
