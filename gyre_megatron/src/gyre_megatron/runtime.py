@@ -416,33 +416,51 @@ class CellRank(RankChecks):
         os.replace(path + ".tmp", path)
         return {"file": name, "tensors": sorted(tensors)}
 
-    def _checkpoint_file(self, path: str) -> str:
+    def _legacy_checkpoint_file(self, path: str) -> str:
         return f"{path}.stage{self.stage}" + (f".tp{self.tp_rank}" if self.opts.tp > 1 else "")
 
     # ------------------------------------------------------------------ durability
     def save_checkpoint(self, path: str) -> dict[str, Any]:
-        """Core only: this stage's parameters, optimizer state and policy version, written
-        atomically to ``{path}.stage{S}``. Satellites hold no authoritative state (they pull)."""
+        """Core only: the core's parameters, optimizer state and policy version as the folder
+        ``path``, a megatron-core distributed checkpoint (:mod:`gyre_megatron.checkpointing`)
+        that loads at any TP/PP/EP. Satellites hold no authoritative state (they pull) and take
+        no part."""
         if not self.is_core:
             return {}
-        import os
+        from gyre_megatron.checkpointing import save_training_state, sharded_training_state
 
-        state = {"params": [self.offloader.host_view(p).detach().clone() for p in self.params],
-                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                 "version": self.version}
-        final = self._checkpoint_file(path)
-        torch.save(state, final + ".tmp")
-        os.replace(final + ".tmp", final)
-        return {"path": final, "version": self.version}
+        state = sharded_training_state(self.ddp, self.optimizer, self.version)
+        view = self.offloader.host_view if self.offloader.offloaded else None
+        save_training_state(state, path, self.side_group, host_view=view)
+        return {"path": path, "version": self.version}
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Core only: restore what :meth:`save_checkpoint` wrote (after a restart)."""
+        """Core only: restore what :meth:`save_checkpoint` wrote (after a restart), at this
+        world's layout whatever layout wrote it. A checkpoint of an earlier Gyre (one
+        ``torch.save`` file per rank beside ``path``) loads at its own layout only."""
         if not self.is_core:
             return {}
+        if self.offloader.offloaded:
+            raise RuntimeError("load_checkpoint: this rank's state is offloaded (load before it leaves training)")
+        if not os.path.isdir(path):
+            return self._load_legacy_checkpoint(path)
+        from gyre_megatron.checkpointing import load_training_state, sharded_training_state
+
+        # optimizer.sharded_state_dict(is_loading=True) allocates Adam's state to load into
+        state = sharded_training_state(self.ddp, self.optimizer, self.version, is_loading=True)
+        loaded = load_training_state(state, path, self.side_group)
+        self.ddp.module.load_state_dict(loaded["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        self.version = int(loaded["gyre"]["version"])
+        self.zero_grads()
+        return {"version": self.version}
+
+    def _load_legacy_checkpoint(self, path: str) -> dict[str, Any]:
         # Clone what torch.load made: its storages are not resizable, so leave_training could no
         # longer release them in place (the optimizer keeps the loaded state tensors as they are).
         # weights_only: a checkpoint path comes from the journal, and loading must not run code
-        state = _owned(torch.load(self._checkpoint_file(path), weights_only=True))
+        state = _owned(torch.load(self._legacy_checkpoint_file(path), weights_only=True))
         with torch.no_grad():
             for p, saved in zip(self.params, state["params"], strict=True):
                 p.copy_(saved)

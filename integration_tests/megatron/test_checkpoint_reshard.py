@@ -1,0 +1,66 @@
+"""Training checkpoints in megatron-core's distributed format, resumed at another layout.
+
+A core at TP 2 x PP 1 trains a step and saves; a core at TP 1 x PP 2 loads that folder and trains
+the next step: its loss and the weights it ends with equal those of the TP 2 core that went on
+without stopping (float tolerance), so the optimizer's moments came across as well as the
+weights. The folder is megatron-core's own ``torch_dist`` checkpoint: ``dist_checkpointing``'s
+metadata reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+pytest.importorskip("megatron.core")
+
+from gyre_megatron.testing import make_items, read_weights  # noqa: E402
+
+STEP_SEEDS = (3, 4)
+
+
+def _train(w, step: int) -> float:
+    q = w.queues[step]
+    for it in make_items(4, seed=STEP_SEEDS[step]):
+        q.put(it)
+    q.close()
+    infos = w.call(w.ranks_of(0), "run_step", step, step)
+    return next(i["objective"]["loss"] for i in infos if "objective" in i)
+
+
+def _weights(w, version: int, folder: Path) -> dict[str, np.ndarray]:
+    folder.mkdir()
+    w.call(w.ranks_of(0), "write_part", version, str(folder))
+    return {k: v.numpy() for k, v in read_weights(folder).items()}
+
+
+def test_a_checkpoint_saved_at_tp2_resumes_at_pp2_and_the_next_step_matches(tmp_path: Path) -> None:
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+
+    ckpt = tmp_path / "step0"
+    with World(RankOptions(cells=1, tp=2, pp=1, heartbeat_s=0.5), n_queues=2) as w:
+        _train(w, 0)
+        saved = w.call(w.ranks_of(0), "save_checkpoint", str(ckpt))
+        assert all(s["version"] == 1 for s in saved)
+        uninterrupted_loss = _train(w, 1)
+        uninterrupted = _weights(w, 2, tmp_path / "a")
+    assert (ckpt / "metadata.json").is_file() and (ckpt / "common.pt").is_file()
+    assert not (tmp_path / "step0.partial").exists()
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    stored = load_tensors_metadata(str(ckpt))
+    assert any(k.startswith("optimizer.") for k in stored) and "embedding.word_embeddings.weight" in stored
+
+    with World(RankOptions(cells=1, tp=1, pp=2, heartbeat_s=0.5), n_queues=2) as w:
+        loaded = w.call(w.ranks_of(0), "load_checkpoint", str(ckpt))
+        assert all(r["version"] == 1 for r in loaded)
+        resumed_loss = _train(w, 1)
+        resumed = _weights(w, 2, tmp_path / "b")
+    assert resumed_loss == pytest.approx(uninterrupted_loss, rel=1e-5, abs=1e-6)
+    assert resumed.keys() == uninterrupted.keys() and resumed
+    worst = max(float(np.abs(resumed[k] - uninterrupted[k]).max()) for k in resumed)
+    assert worst < 1e-5, worst
