@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 KINDS = ("ExecutionEnded", "MicroStepsDone", "published", "TransitionDone")
 
@@ -97,7 +97,9 @@ def _said(log: Path, out: Path) -> str:
 
 
 def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float = 900.0,
-                config: Path | None = None) -> dict[str, Any]:
+                config: Path | None = None, final_settings: Sequence[str] = ()) -> dict[str, Any]:
+    """``final_settings``: ``--set`` values the last resume adds (e.g. another ``training.pp``:
+    the core's checkpoint loads at the new layout)."""
     rng = random.Random(seed)
     cmd = [sys.executable, "-m", "gyre_core.cli", "run", "--out", str(out), "--steps", str(steps)]
     if config is not None:  # a job other than the embedded default (the same file at every resume)
@@ -139,7 +141,8 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
                 f.write(b'{"kind":"published","version":99,"loc')
         points.append({"after": kind, "count": target, "torn_tail": torn, "steps_done": steps_done(journal(out)),
                        "outlived": outlived})
-    final = subprocess.run(cmd + (["--resume"] if points else []) + ["--json-summary"], capture_output=True,
+    extra = [a for kv in final_settings for a in ("--set", kv)]
+    final = subprocess.run(cmd + (["--resume"] if points else []) + extra + ["--json-summary"], capture_output=True,
                            text=True, timeout=timeout_s)
     if final.returncode != 0:
         err = out / "error.log"
@@ -159,6 +162,9 @@ def crash_chain(out: Path, kills: int, steps: int, seed: int, timeout_s: float =
             "finished": ex["finished"], "accounted": accounted, "executions": ex,
             "lost": len(finished_at_kills - set(ends)), "outlived": sum(p["outlived"] for p in points),
             "resumes_rebuilding_a_publication": rebuilt,
+            # what checkpoint.keep_last left of the core's training checkpoints
+            "checkpoints_on_disk": sorted(p.name for p in (out / "checkpoints").iterdir())
+            if (out / "checkpoints").is_dir() else [],
             "wall_s": round(time.monotonic() - t0, 1)}
 
 

@@ -51,10 +51,11 @@ JOURNAL = "journal.jsonl"
 RESUME_MAY_CHANGE = ("run.steps", "run.max_wall_s", "run.out_dir", "run.resume", "training.step_timeout_s",
                      "training.collective_timeout_s", "serving.start_timeout_s", "watchdog.", "proxy.", "cluster.", "publication.", "metrics.",
                      "checkpoint.", "harness.evaluator_timeout_s", "harness.sandbox_expose",
-                     "harness.sandbox_hide")
-"""What a resumed run may change (how long and how watched it runs, where it listens): everything
-else shapes what the journal recorded (the scheduler, the task, sampling, the objective, the
-harness, the seed) and must match, unless the resume is forced."""
+                     "harness.sandbox_hide", "training.tp", "training.pp", "training.ep")
+"""What a resumed run may change (how long and how watched it runs, where it listens, and the
+layout of each cell: training checkpoints are stored by each tensor's global shape and load at
+any TP/PP/EP): everything else shapes what the journal recorded (the scheduler, the task,
+sampling, the objective, the harness, the seed) and must match, unless the resume is forced."""
 
 
 def tokenizer_window(tokenizer: Any) -> int | None:
