@@ -3,7 +3,9 @@
 A core at TP 2 x PP 1 trains a step and saves; a core at TP 1 x PP 2 loads that folder and trains
 the next step: its loss and the weights it ends with equal those of the TP 2 core that went on
 without stopping (float tolerance), so the optimizer's moments came across as well as the
-weights. The folder is megatron-core's own ``torch_dist`` checkpoint: ``dist_checkpointing``'s
+weights. Twice: a dense Qwen2 with tied embeddings (one matrix on the first and the last stage
+at PP 2), and a Qwen3-MoE saved at TP 2 x EP 2 (experts split over two ranks) and resumed with all
+experts on each stage's one rank. The folder is megatron-core's own ``torch_dist`` checkpoint: ``dist_checkpointing``'s
 metadata reads it.
 """
 
@@ -37,12 +39,19 @@ def _weights(w, version: int, folder: Path) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in read_weights(folder).items()}
 
 
-def test_a_checkpoint_saved_at_tp2_resumes_at_pp2_and_the_next_step_matches(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family,saved_ep", [("qwen2", 1), ("qwen3_moe", 2)], ids=["dense-tied", "moe-ep2"])
+def test_a_checkpoint_saved_at_tp2_resumes_at_pp2_and_the_next_step_matches(tmp_path: Path, family: str,
+                                                                            saved_ep: int) -> None:
+    from gyre_megatron.hf_import import spec_from_hf_dir
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import build_checkpoint
 
+    hf = tmp_path / "hf"
+    build_checkpoint(hf, tied=family == "qwen2", seed=5, family=family)
+    model = {"spec": spec_from_hf_dir(hf), "init_from": str(hf), "heartbeat_s": 0.5}
     ckpt = tmp_path / "step0"
-    with World(RankOptions(cells=1, tp=2, pp=1, heartbeat_s=0.5), n_queues=2) as w:
+    with World(RankOptions(cells=1, tp=2, pp=1, ep=saved_ep, **model), n_queues=2) as w:
         _train(w, 0)
         saved = w.call(w.ranks_of(0), "save_checkpoint", str(ckpt))
         assert all(s["version"] == 1 for s in saved)
@@ -53,9 +62,9 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_pp2_and_the_next_step_matches(tmp_
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
     stored = load_tensors_metadata(str(ckpt))
-    assert any(k.startswith("optimizer.") for k in stored) and "embedding.word_embeddings.weight" in stored
+    assert any("optimizer.state.exp_avg." in k for k in stored) and "embedding.word_embeddings.weight" in stored
 
-    with World(RankOptions(cells=1, tp=1, pp=2, heartbeat_s=0.5), n_queues=2) as w:
+    with World(RankOptions(cells=1, tp=1, pp=2, **model), n_queues=2) as w:
         loaded = w.call(w.ranks_of(0), "load_checkpoint", str(ckpt))
         assert all(r["version"] == 1 for r in loaded)
         resumed_loss = _train(w, 1)

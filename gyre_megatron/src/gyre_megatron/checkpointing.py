@@ -31,21 +31,99 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["load_training_state", "save_training_state", "sharded_training_state"]
+__all__ = ["load_training_state", "restore_optimizer", "save_training_state", "sharded_training_state"]
 
 GYRE_KEY = "gyre"
-"""The common (unsharded) part Gyre adds: ``{"version": int}``."""
+"""The common (unsharded) part Gyre adds: ``{"version": int, "optimizer_step": int | None}``."""
 
 
-def sharded_training_state(ddp: Any, optimizer: Any, version: int, is_loading: bool = False) -> dict[str, Any]:
-    """The model's and the optimizer's sharded state (megatron-core's own descriptions of which
-    slice of each global tensor this rank holds) and Gyre's version."""
-    module = ddp.module
-    model = module.sharded_state_dict()
-    state: dict[str, Any] = {"model": model, GYRE_KEY: {"version": int(version)}}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading)
-    return state
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    """megatron-core's optimizers under ``optimizer``: a mixture of experts chains one for the
+    dense and one for the expert parameters; how many depends on the layout."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _sharded_leaves(parts: list[Any]) -> list[Any]:
+    """Every sharded tensor (or factory) in ``parts``, in a fixed order. Not keyed by their
+    global key: one key names a whole stack of layers, each rank holding several of its slices."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return [v for part in parts for v in nested_values(part) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
+
+
+def _common_step(tree: Any) -> Any:
+    """Adam's step count, which megatron-core's optimizers keep once for all parameters."""
+    if isinstance(tree, dict):
+        if "common_step" in tree:
+            return tree["common_step"]
+        for v in tree.values():
+            found = _common_step(v)
+            if found is not None:
+                return found
+    return None
+
+
+def sharded_training_state(ddp: Any, optimizer: Any, version: int, is_loading: bool = False
+                           ) -> tuple[dict[str, Any], list[Any]]:
+    """The state to save or load, and the optimizer's own sharded state dicts (one per chained
+    optimizer) that :func:`restore_optimizer` fills after a load.
+
+    The model's sharded state is megatron-core's. The optimizer's tensors are stored under their
+    global keys (``optimizer.state.exp_avg.<parameter>``) without megatron-core's per-optimizer
+    nesting and prefixes: those follow the chain of optimizers, which differs between layouts (a
+    mixture of experts at EP 2 chains two, at EP 1 one), so a checkpoint in them would not load at
+    another. Adam's step count, one for all parameters, goes with Gyre's own state."""
+    model = ddp.module.sharded_state_dict()
+    parts = [o.sharded_state_dict(model, is_loading=is_loading) for o in _sub_optimizers(optimizer)] \
+        if optimizer is not None else []
+    step = next((s for s in map(_common_step, parts) if s is not None), None)
+    gyre = {"version": int(version), "optimizer_step": None if step is None else int(step)}
+    state: dict[str, Any] = {"model": model, GYRE_KEY: gyre}
+    if parts:
+        state["optimizer"] = {str(i): v for i, v in enumerate(_sharded_leaves(parts))}
+    return state, parts
+
+
+def restore_optimizer(optimizer: Any, parts: list[Any], loaded: dict[str, Any]) -> None:
+    """Load the tensors ``loaded`` holds (:func:`load_training_state`) into each of
+    ``optimizer``'s chained optimizers, through their own ``load_state_dict``."""
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    step = loaded[GYRE_KEY].get("optimizer_step")
+    # the loaded tensor of each sharded leaf, by the leaf's place in the state that was loaded
+    tensors = {id(v): loaded["optimizer"][str(i)] for i, v in enumerate(_sharded_leaves(parts))}
+
+    def filled(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: filled(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [filled(v) for v in node]
+        if isinstance(node, (ShardedTensor, ShardedTensorFactory)):
+            return tensors[id(node)]
+        if isinstance(node, LocalNonpersistentObject):
+            return node.unwrap()
+        return node
+
+    def with_step(tree: Any) -> None:
+        """Put the saved step where megatron-core's ``load_state_dict`` looks for it (an
+        optimizer's state allocated for loading has none yet)."""
+        if isinstance(tree, dict):
+            if "state" in tree and "param_groups" in tree:
+                tree["state"]["common_step"] = torch.tensor(float(step))
+            else:
+                for v in tree.values():
+                    with_step(v)
+
+    for sub, part in zip(_sub_optimizers(optimizer), parts, strict=True):
+        state = filled(part)
+        if step is not None:
+            with_step(state)
+        sub.load_state_dict(state)
 
 
 def _map_sharded_data(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

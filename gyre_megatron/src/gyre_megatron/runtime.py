@@ -429,7 +429,7 @@ class CellRank(RankChecks):
             return {}
         from gyre_megatron.checkpointing import save_training_state, sharded_training_state
 
-        state = sharded_training_state(self.ddp, self.optimizer, self.version)
+        state, _ = sharded_training_state(self.ddp, self.optimizer, self.version)
         view = self.offloader.host_view if self.offloader.offloaded else None
         save_training_state(state, path, self.side_group, host_view=view)
         return {"path": path, "version": self.version}
@@ -444,14 +444,14 @@ class CellRank(RankChecks):
             raise RuntimeError("load_checkpoint: this rank's state is offloaded (load before it leaves training)")
         if not os.path.isdir(path):
             return self._load_legacy_checkpoint(path)
-        from gyre_megatron.checkpointing import load_training_state, sharded_training_state
+        from gyre_megatron.checkpointing import load_training_state, restore_optimizer, sharded_training_state
 
         # optimizer.sharded_state_dict(is_loading=True) allocates Adam's state to load into
-        state = sharded_training_state(self.ddp, self.optimizer, self.version, is_loading=True)
+        state, parts = sharded_training_state(self.ddp, self.optimizer, self.version, is_loading=True)
         loaded = load_training_state(state, path, self.side_group)
         self.ddp.module.load_state_dict(loaded["model"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            restore_optimizer(self.optimizer, parts, loaded)
         self.version = int(loaded["gyre"]["version"])
         self.zero_grads()
         return {"version": self.version}
