@@ -109,6 +109,49 @@ def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
     load_hf_model(ref.location)  # and loads strictly into the family's transformers class (index and all)
 
 
+def test_transformer_engines_names_import_and_export_like_the_local_ones(imported) -> None:
+    """TransformerEngine's layer spec keeps each layer's norms inside the linear layers they are
+    fused into (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``). The names are
+    megatron-core's own: its local spec lists them as its norms' TE equivalents
+    (``sharded_state_dict_keys_map``). Imported under TE's names, every tensor equals the local
+    one; exported from TE's names, the checkpoint comes back exactly."""
+    import re
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from gyre_megatron.export import megatron_to_hf
+    from gyre_megatron.hf_import import hf_to_megatron, load_hf_state
+
+    w, ckpt, original, _ = imported
+    if w.opts.tp * w.opts.pp * w.opts.ep > 1:
+        pytest.skip("one layout per family: the names do not depend on it")
+    spec = w.opts.spec
+    keys_map = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                                        normalization="RMSNorm", qk_layernorm=spec.qk_norm
+                                        ).submodules.sharded_state_dict_keys_map
+    assert keys_map, "megatron-core no longer lists the TE names of its local norms"
+
+    def te_name(name: str) -> str:
+        m = re.match(r"^(decoder\.layers\.\d+\.)(.+)$", name)
+        if m is not None:
+            for local_prefix, te_prefix in keys_map.items():
+                if m.group(2).startswith(local_prefix):
+                    return m.group(1) + te_prefix + m.group(2)[len(local_prefix):]
+        return name
+
+    local = w.call([0], "settings_in_effect", [])[0]["parameter_names"]
+    te = [te_name(n) for n in local]
+    assert sum("linear_qkv.layer_norm_weight" in n for n in te) == spec.num_layers
+    assert sum("linear_fc1.layer_norm_weight" in n for n in te) == spec.num_layers
+    hf = load_hf_state(ckpt)
+    by_local, by_te = hf_to_megatron(hf, local, spec, 0), hf_to_megatron(hf, te, spec, 0)
+    assert all(torch.equal(by_local[a], by_te[b]) for a, b in zip(local, te))
+    back = megatron_to_hf(by_te, spec, 0)
+    expected = {k: v for k, v in original.items() if not (spec.tie_embeddings and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
 def test_a_mooncake_publication_is_pulled_from_every_stage(imported) -> None:
     """Each stage of the core registers its own part in its own process; the location lists the
     parts, and a puller (the code SGLang's loader runs) reads every part, verified, and gets the

@@ -209,3 +209,61 @@ def test_bf16_with_full_recompute_on_a_gpu_gives_the_same_gradients() -> None:
     cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
     print(f"\nbf16 full recompute vs none: gradient cosine {cos:.6f}")
     assert cos > 0.999, cos
+
+
+def test_transformer_engine_is_chosen_only_where_it_runs() -> None:
+    """``training.transformer_impl``: ``auto`` builds TE's spec only where TransformerEngine
+    imports and CUDA is present (here: the local one); an explicit ``transformer_engine`` where it
+    cannot run is refused before anything starts, in one line with the way to install it."""
+    import torch
+
+    from gyre_core.orchestrator.embedded import _plugin_manager
+    from gyre_core.orchestrator.preflight import preflight
+    from gyre_core.orchestrator.run_config import load_run_config
+    from gyre_megatron.model import resolve_transformer_impl, transformer_engine_problem
+
+    if transformer_engine_problem() is None:
+        pytest.skip("TransformerEngine runs here: the GPU test covers it")
+    assert resolve_transformer_impl("auto") == "local" and resolve_transformer_impl("local") == "local"
+    with pytest.raises(ValueError, match="transformer_engine"):
+        resolve_transformer_impl("transformer_engine")
+    cfg = load_run_config(EXAMPLE, {"training.transformer_impl": "transformer_engine"})
+    lines = [p for p in preflight(cfg, _plugin_manager()) if "transformer_impl" in p]
+    assert len(lines) == 1 and ("CUDA" in lines[0] if not torch.cuda.is_available() else "pip install" in lines[0])
+    cfg = load_run_config(EXAMPLE, {"training.transformer_impl": "auto"})
+    assert not [p for p in preflight(cfg, _plugin_manager()) if "transformer_impl" in p]
+
+
+@pytest.mark.gpu
+def test_transformer_engines_spec_trains_like_the_local_one_on_a_gpu(tmp_path: Path) -> None:
+    """On a GPU with TransformerEngine: the same checkpoint built with TE's spec (fused norms in
+    the linears, fused kernels, TE's attention) and with the local spec gives the same first
+    gradients (fp32, cosine > 0.9999), and each rank says which spec it built."""
+    import numpy as np
+
+    from gyre_megatron.hf_import import spec_from_hf_dir
+    from gyre_megatron.launch import World
+    from gyre_megatron.model import transformer_engine_problem
+    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import build_checkpoint, make_items
+
+    if (why := transformer_engine_problem()) is not None:
+        pytest.skip(why)
+    build_checkpoint(tmp_path, seed=3, family="qwen3")
+    spec = spec_from_hf_dir(tmp_path)
+    grads = []
+    for impl in ("local", "transformer_engine"):
+        with World(RankOptions(cells=1, pp=1, spec=spec, init_from=str(tmp_path), transformer_impl=impl),
+                   n_queues=1) as w:
+            got = w.call(w.ranks_of(0), "settings_in_effect", ["apply_rope_fusion", "bias_dropout_fusion"])[0]
+            assert got["transformer_impl"] == impl and got["apply_rope_fusion"] == (impl != "local")
+            q = w.queues[0]
+            for it in make_items(2, vocab=spec.vocab_size, seed=5):
+                q.put(it)
+            q.close()
+            (r,) = w.call(w.ranks_of(0), "stream_grads_hf", 0)
+            grads.append(np.concatenate([np.asarray(v, dtype=np.float64).ravel() for _, v in sorted(r["grads"].items())]))
+    a, b = grads
+    cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    print(f"\nTE spec vs local spec: gradient cosine {cos:.6f}")
+    assert cos > 0.9999, cos

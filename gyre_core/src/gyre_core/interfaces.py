@@ -386,6 +386,8 @@ class TrainingOptions:
     tp: int = 1
     ep: int = 1
     precision: str = "fp32"
+    transformer_impl: str = "auto"
+    """``training.transformer_impl``: ``auto``, ``transformer_engine`` or ``local``."""
     lr: float = 1e-4
     clip_grad: float = 1.0
     megatron: Mapping[str, Any] = field(default_factory=dict)

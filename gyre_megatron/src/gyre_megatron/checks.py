@@ -156,6 +156,8 @@ class RankChecks:
         if self.optimizer is not None:
             out["param_groups"] = [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
                                    for g in self.optimizer.param_groups]
+        out["transformer_impl"] = self.transformer_impl
+        out["parameter_names"] = [n for n, _ in self.ddp.module.named_parameters()]
         return out
 
     def state_digest(self) -> str:

@@ -58,7 +58,7 @@ OWNED: dict[str, str] = {
     "use_distributed_optimizer": _REDUCE, "overlap_grad_reduce": _REDUCE, "overlap_param_gather": _REDUCE,
     "num_distributed_optimizer_instances": _REDUCE, "average_in_collective": _REDUCE,
     "use_megatron_fsdp": _REDUCE, "use_custom_fsdp": _REDUCE,
-    "transformer_impl": "Gyre builds megatron-core's local layer spec (TransformerEngine's is not offered yet)",
+    "transformer_impl": "training.transformer_impl",
     "use_checkpoint_opt_param_scheduler": "the schedule is a function of the step, never saved",
     "override_opt_param_scheduler": "the schedule is a function of the step, never saved",
 }

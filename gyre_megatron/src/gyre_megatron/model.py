@@ -97,10 +97,49 @@ def sequence_parallel(spec: ModelSpec, tp_size: int) -> bool:
     return bool(spec.num_experts) and tp_size > 1
 
 
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+"""``training.transformer_impl``'s values."""
+
+FUSIONS = ("bias_dropout_fusion", "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion",
+           "persist_layer_norm")
+"""megatron-core's fused-kernel switches: on with TransformerEngine's spec (as Megatron-LM
+trains), off with the local spec (they need CUDA kernels)."""
+
+
+def transformer_engine_problem() -> str | None:
+    """Why TransformerEngine's layer spec cannot run here (``None``: it can): it needs CUDA and
+    the ``transformer_engine`` package importable with megatron-core's extension for it."""
+    if not torch.cuda.is_available():
+        return "TransformerEngine's layers need CUDA, and this machine has no GPU"
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions import transformer_engine as _te  # noqa: F401
+    except Exception as e:  # ImportError, or TE's own failure to load its CUDA libraries
+        return (f"TransformerEngine does not import here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); "
+                "install it with pip install --no-build-isolation 'transformer_engine[pytorch]'")
+    return None
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    """``transformer_engine`` or ``local`` for ``training.transformer_impl``: ``auto`` takes TE's
+    spec where it can run; an explicit ``transformer_engine`` where it cannot is an error."""
+    if requested not in TRANSFORMER_IMPLS:
+        raise ValueError(f"training.transformer_impl {requested!r}: expected one of {TRANSFORMER_IMPLS}")
+    if requested == "local":
+        return "local"
+    problem = transformer_engine_problem()
+    if problem is None:
+        return "transformer_engine"
+    if requested == "transformer_engine":
+        raise ValueError(f"training.transformer_impl = \"transformer_engine\": {problem} (or set it to \"auto\")")
+    return "local"
+
+
 def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precision: str = "fp32",
-                       ep_size: int = 1, overrides: Mapping[str, Any] | None = None) -> Any:
+                       ep_size: int = 1, overrides: Mapping[str, Any] | None = None, impl: str = "local") -> Any:
     """megatron-core's ``TransformerConfig`` for one stage: the fields Gyre owns (the shape, the
-    layout, precision) from its arguments, Gyre's CPU-safe defaults for the rest, and the team's
+    layout, precision) from its arguments, Gyre's defaults for the rest (the fused kernels on with
+    ``impl = "transformer_engine"``, off with the local spec), and the team's
     ``[training.megatron]`` keys (``overrides``, checked by
     :mod:`gyre_megatron.megatron_settings`) over those defaults."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -112,11 +151,7 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
     defaults: dict[str, Any] = dict(
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **{f: impl == "transformer_engine" for f in FUSIONS},
     )
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -208,25 +243,39 @@ def _sequence_parallel_block(layer_spec: Any, layers: int) -> Any:
     return TransformerBlockSubmodules(layer_specs=[swap(layer_spec)] * layers, layer_norm=SequenceParallelRMSNorm)
 
 
+def layer_spec_for(spec: ModelSpec, impl: str) -> Any:
+    """megatron-core's layer spec for ``impl`` (``transformer_engine`` or ``local``). Experts
+    stay one module each (no grouped GEMM) with either, so their parameters keep the names
+    (``mlp.experts.local_experts.<e>.*``) the import, the export and publication map; TE's spec
+    fuses each layer's norms into ``linear_qkv`` and ``linear_fc1`` (``layer_norm_weight``), names
+    both directions know."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts or None, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                                                    normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+
+
 def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, precision: str = "fp32",
-                ep_size: int = 1, settings: Any = None) -> tuple[Any, Any]:
+                ep_size: int = 1, settings: Any = None, impl: str = "local") -> tuple[Any, Any]:
     """This rank's shard of one pipeline stage, wrapped in megatron-core DDP (grad buffers, no
     sync). With ``use_cpu_initialization`` megatron-core draws each full weight and keeps this
     rank's slice, so a seeded model starts with the same weights at every ``tp_size``.
-    ``settings``: the team's :class:`~gyre_megatron.megatron_settings.MegatronSettings`."""
+    ``settings``: the team's :class:`~gyre_megatron.megatron_settings.MegatronSettings`;
+    ``impl``: :func:`resolve_transformer_impl`'s answer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, pp_size, tp_size, precision, ep_size,
-                                settings.transformer if settings is not None else None)
-    if spec.num_experts:
+                                settings.transformer if settings is not None else None, impl=impl)
+    if spec.num_experts and impl == "local":
         _router_without_transformer_engine()
     torch.manual_seed(spec.seed + 1000 * pp_rank)
     _seed_model_parallel_rng(spec.seed)
-    layer_spec: Any = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
-                                               normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-    if config.sequence_parallel:
+    layer_spec: Any = layer_spec_for(spec, impl)
+    if config.sequence_parallel and impl == "local":  # TE's norms handle sequence parallelism themselves
         layer_spec = _sequence_parallel_block(layer_spec, spec.num_layers // pp_size)
     model = GPTModel(
         config=config,

@@ -56,6 +56,7 @@ def gyre_preflight(config: Mapping[str, Any]) -> list[str]:
                                   model_dir=str(config.get("model", {}).get("dir") or ""),
                                   launcher=str(config.get("cluster", {}).get("launcher") or "local"),
                                   megatron=training.get("megatron") or {},
+                                  transformer_impl=str(training.get("transformer_impl") or "auto"),
                                   layout={**{k: training[k] for k in ("tp", "pp", "ep", "precision", "lr")
                                              if k in training},
                                           "steps": config.get("run", {}).get("steps", 1),

@@ -127,10 +127,17 @@ def megatron_settings_problems(table: Mapping[str, Any], model_dir: str, layout:
 
 def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local",
                            megatron: Mapping[str, Any] | None = None,
-                           layout: Mapping[str, Any] | None = None) -> list[str]:
+                           layout: Mapping[str, Any] | None = None, transformer_impl: str = "auto") -> list[str]:
     """One line per problem; ``megatron`` (``[training.megatron]``) is checked against the
-    installed megatron-core once it is found (:func:`megatron_settings_problems`)."""
+    installed megatron-core once it is found (:func:`megatron_settings_problems`). An explicit
+    ``transformer_impl = "transformer_engine"`` is checked here only where the ranks run on this
+    machine (``launcher = "local"``); elsewhere a rank that cannot build TE's spec says why."""
     problems: list[str] = []
+    if transformer_impl == "transformer_engine" and launcher == "local":
+        from gyre_megatron.model import transformer_engine_problem
+
+        if (why := transformer_engine_problem()) is not None:
+            problems.append(f"training.transformer_impl = \"transformer_engine\": {why} (or set it to \"auto\")")
     if launcher == "ray" and importlib.util.find_spec("ray") is None:
         problems.append("Ray: not installed, and cluster.launcher = \"ray\" needs it (pip install 'gyre-megatron[ray]')")
     if model_dir and (Path(model_dir) / "config.json").is_file():  # a missing one is the core's to report

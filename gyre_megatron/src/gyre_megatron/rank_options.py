@@ -64,6 +64,8 @@ class RankOptions:
     (each expert split like the dense MLP) or ``tp`` (each tensor rank holds whole experts)."""
     precision: str = "fp32"
     """``fp32``, or ``bf16`` parameters with a float32 optimizer (see :data:`gyre_megatron.model.PRECISIONS`)."""
+    transformer_impl: str = "auto"
+    """Which layer spec builds the stages (:func:`gyre_megatron.model.resolve_transformer_impl`)."""
     keep_update_grads: bool = False
     """Tests: the core keeps each update's gradient (reduced over cells, before clipping and the
     optimizer) for :meth:`~gyre_megatron.checks.RankChecks.update_grads_hf`."""

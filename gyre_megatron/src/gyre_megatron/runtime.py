@@ -95,7 +95,12 @@ class CellRank(RankChecks):
         from gyre_megatron.megatron_settings import make_scheduler, split_settings
 
         settings = split_settings(opts.megatron)  # checked in the orchestrator's preflight already
-        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision, opts.ep, settings)
+        from gyre_megatron.model import resolve_transformer_impl
+
+        self.transformer_impl = resolve_transformer_impl(opts.transformer_impl)
+        """The layer spec this rank built: ``transformer_engine`` or ``local``."""
+        self.ddp, self.config = build_stage(opts.spec, self.stage, P, T, opts.precision, opts.ep, settings,
+                                            impl=self.transformer_impl)
         self.model = self.ddp
         if opts.init_from:
             self._load_hf(opts.init_from)

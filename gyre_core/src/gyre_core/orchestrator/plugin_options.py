@@ -53,7 +53,8 @@ def training_options(cfg: RunConfig, out: Path, model: Mapping[str, Any],
     return TrainingOptions(
         cells=cfg.scheduler.cells, model=dict(model),
         init_from=str(Path(cfg.model.dir).resolve()) if cfg.model.dir else "",
-        pp=t.pp, tp=t.tp, ep=t.ep, precision=t.precision, lr=t.lr, clip_grad=t.clip_grad,
+        pp=t.pp, tp=t.tp, ep=t.ep, precision=t.precision, transformer_impl=t.transformer_impl,
+        lr=t.lr, clip_grad=t.clip_grad,
         megatron=dict(t.megatron), total_steps=cfg.run.steps,
         objective=t.objective_config(),
         # the objective's weights (W_t, or V_t) already normalise the loss: no division by tokens

@@ -179,6 +179,11 @@ class TrainingSection(_Section):
     experts whole)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``fp32``, or ``bf16`` parameters and activations with a float32 optimizer (needs CUDA)."""
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    """Which of megatron-core's layer specs builds each stage: ``transformer_engine`` (TE's
+    layers, its fused kernels and flash attention; needs TransformerEngine and CUDA), ``local``
+    (megatron-core's plain torch layers; runs anywhere), or ``auto``: TE's where TransformerEngine
+    imports and CUDA is present, else the local one."""
     clip_grad: float = Field(1.0, ge=0)
     """0: no clipping."""
     step_timeout_s: float = Field(600.0, gt=0)
