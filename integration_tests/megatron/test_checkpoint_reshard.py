@@ -73,3 +73,41 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_pp2_and_the_next_step_matches(tmp_
     assert resumed.keys() == uninterrupted.keys() and resumed
     worst = max(float(np.abs(resumed[k] - uninterrupted[k]).max()) for k in resumed)
     assert worst < 1e-5, worst
+
+
+@pytest.mark.gpu
+def test_a_bf16_core_on_a_gpu_resumes_from_its_checkpoint_exactly(tmp_path: Path) -> None:
+    """On a GPU, bf16 with float32 master weights (megatron-core's mixed-precision optimizer,
+    whose checkpoint holds the master weights too): saved after a step and loaded into fresh
+    ranks, the next step ends with the same weights as the run that went on."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from gyre_megatron.hf_import import spec_from_hf_dir
+    from gyre_megatron.launch import World
+    from gyre_megatron.runtime import RankOptions
+    from gyre_megatron.testing import build_checkpoint, gpu_report
+
+    hf = tmp_path / "hf"
+    build_checkpoint(hf, seed=5, family="qwen3")
+    opts = RankOptions(cells=1, pp=1, precision="bf16", spec=spec_from_hf_dir(hf), init_from=str(hf), heartbeat_s=0.5)
+    ckpt = tmp_path / "step0"
+    with World(opts, n_queues=2) as w:
+        _train(w, 0)
+        t0 = time.monotonic()
+        w.call(w.ranks_of(0), "save_checkpoint", str(ckpt))
+        save_s = time.monotonic() - t0
+        _train(w, 1)
+        uninterrupted = _weights(w, 2, tmp_path / "a")
+    with World(opts, n_queues=2) as w:
+        t0 = time.monotonic()
+        w.call(w.ranks_of(0), "load_checkpoint", str(ckpt))
+        load_s = time.monotonic() - t0
+        _train(w, 1)
+        resumed = _weights(w, 2, tmp_path / "b")
+    worst = max(float(np.abs(resumed[k] - uninterrupted[k]).max()) for k in resumed)
+    gpu_report("bf16_checkpoint_resume", max_weight_diff=worst, save_s=round(save_s, 3), load_s=round(load_s, 3))
+    assert worst == 0.0, worst

@@ -207,7 +207,9 @@ def test_bf16_with_full_recompute_on_a_gpu_gives_the_same_gradients() -> None:
             grads.append(np.concatenate([np.asarray(v, dtype=np.float64).ravel() for _, v in sorted(r["grads"].items())]))
     a, b = grads
     cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-    print(f"\nbf16 full recompute vs none: gradient cosine {cos:.6f}")
+    from gyre_megatron.testing import gpu_report
+
+    gpu_report("bf16_full_recompute", gradient_cosine=round(cos, 6), seq_len=2048)
     assert cos > 0.999, cos
 
 
@@ -251,7 +253,11 @@ def test_transformer_engines_spec_trains_like_the_local_one_on_a_gpu(tmp_path: P
         pytest.skip(why)
     build_checkpoint(tmp_path, seed=3, family="qwen3")
     spec = spec_from_hf_dir(tmp_path)
-    grads = []
+    import time
+
+    from gyre_megatron.testing import gpu_report
+
+    grads, step_s = [], {}
     for impl in ("local", "transformer_engine"):
         with World(RankOptions(cells=1, pp=1, spec=spec, init_from=str(tmp_path), transformer_impl=impl),
                    n_queues=1) as w:
@@ -261,9 +267,11 @@ def test_transformer_engines_spec_trains_like_the_local_one_on_a_gpu(tmp_path: P
             for it in make_items(2, vocab=spec.vocab_size, seed=5):
                 q.put(it)
             q.close()
+            t0 = time.monotonic()
             (r,) = w.call(w.ranks_of(0), "stream_grads_hf", 0)
+            step_s[impl] = round(time.monotonic() - t0, 3)  # the first step: kernels load and compile
             grads.append(np.concatenate([np.asarray(v, dtype=np.float64).ravel() for _, v in sorted(r["grads"].items())]))
     a, b = grads
     cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-    print(f"\nTE spec vs local spec: gradient cosine {cos:.6f}")
+    gpu_report("transformer_engine_spec", gradient_cosine=round(cos, 8), first_step_s=step_s)
     assert cos > 0.9999, cos

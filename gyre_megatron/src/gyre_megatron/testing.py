@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["build_checkpoint", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "kill_once_joined", "start_torchrun_nodes",
+__all__ = ["build_checkpoint", "gpu_report", "read_weights", "feed_in_bursts", "free_port", "make_items", "make_microsteps", "rank_store", "kill_once_joined", "start_torchrun_nodes",
            "stop_nodes", "strike_once_joined", "wait_claimed"]
 
 
@@ -301,3 +301,15 @@ def make_gspo_microsteps(hf: Any, offsets: Sequence[float | Sequence[float]], ad
             placed[(home + j) % n_micro if e in split else home].append(r)
     parts = {e: tuple(rows_of[e]) for e in split}
     return [MicroStep(0, i, (_pack(tuple(rows), n_exec, parts),)) for i, rows in enumerate(placed)]
+
+
+def gpu_report(check: str, **figures: Any) -> None:
+    """One JSON line for ``scripts/gpu-check.sh``: the check's name and the figures it measured,
+    printed and appended to ``$GYRE_GPU_REPORT`` when set."""
+    import json
+
+    line = json.dumps({"check": check, **figures})
+    print("\n" + line)
+    if os.environ.get("GYRE_GPU_REPORT"):
+        with open(os.environ["GYRE_GPU_REPORT"], "a") as f:
+            f.write(line + "\n")
