@@ -31,7 +31,10 @@ def test_the_example_trains_two_steps_and_evaluates_the_held_out_tasks(tmp_path:
 
     monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
     out = tmp_path / "run"
-    model = cached_tiny_model(family="llama", hidden_size=64, num_layers=2, max_position_embeddings=2048)
+    # Llama with Llama 3.1's RoPE scaling: SGLang serves it, the cells train it, the export keeps it
+    model = cached_tiny_model(family="llama", hidden_size=64, num_layers=2, max_position_embeddings=2048,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     # at test sizes: 2 groups of 2 a step, short replies (the agent asks for 256 tokens; the proxy caps)
     small = ["--set", "scheduler.group_size=2", "--set", "scheduler.groups_per_step=2",
              "--set", "sampling.max_new_tokens=48", "--set", "eval.max_concurrent=6"]
@@ -40,6 +43,7 @@ def test_the_example_trains_two_steps_and_evaluates_the_held_out_tasks(tmp_path:
     assert summary["status"] == "ok" and summary["steps"] == 2
     kept = json.loads((out / "checkpoint" / "config.json").read_text())
     assert (kept["model_type"], kept["architectures"]) == ("llama", ["LlamaForCausalLM"])
+    assert kept["rope_scaling"]["rope_type"] == "llama3" and kept["rope_scaling"]["factor"] == 8.0
     ex = summary["executions"]
     assert_accounted(ex)
     eval_tasks = len((ROOT / "examples" / "tasks" / "eval.jsonl").read_text().splitlines())

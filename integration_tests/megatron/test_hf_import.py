@@ -33,8 +33,9 @@ from gyre_core.interfaces import PublicationOptions  # noqa: E402
 LAYOUTS = [("qwen2", False, 1, 1, 1), ("qwen2", False, 1, 2, 1), ("qwen2", True, 1, 1, 1), ("qwen2", True, 1, 2, 1),
            ("qwen3", False, 1, 1, 1), ("qwen3", False, 2, 1, 1), ("qwen3", False, 2, 2, 1),
            ("llama", False, 1, 1, 1), ("llama", False, 2, 1, 1), ("llama", False, 2, 2, 1),
+           ("llama3", False, 1, 1, 1), ("llama3", False, 2, 2, 1),
            ("qwen3_moe", False, 1, 1, 1), ("qwen3_moe", False, 2, 1, 2), ("qwen3_moe", False, 2, 2, 2)]
-"""(family, tied, tp, pp, ep)"""
+"""(family, tied, tp, pp, ep); ``llama3``: Llama with Llama 3.1's RoPE scaling"""
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{f}-{'tied' if t else 'untied'}-tp{tp}-pp{pp}" + (f"-ep{ep}" if ep > 1 else "")
@@ -42,12 +43,16 @@ LAYOUTS = [("qwen2", False, 1, 1, 1), ("qwen2", False, 1, 2, 1), ("qwen2", True,
 def imported(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
-    from gyre_megatron.testing import build_checkpoint
+    from gyre_megatron.testing import LLAMA3_ROPE, build_checkpoint
 
     family, tied, tp, pp, ep = request.param
+    scaled = family == "llama3"
+    family = "llama" if scaled else family
     ckpt = tmp_path_factory.mktemp("ckpt")
-    original = build_checkpoint(ckpt, tied, seed=11 + int(tied), family=family)
+    original = build_checkpoint(ckpt, tied, seed=11 + int(tied), family=family,
+                                rope_scaling=LLAMA3_ROPE if scaled else None)
     spec = spec_from_hf_dir(ckpt)
+    assert spec.rope_llama3_factor == (8.0 if scaled else 0.0)
     assert (spec.family, spec.num_query_groups, spec.ffn_hidden_size, spec.tie_embeddings) == (family, 2, 80, tied)
     assert (spec.rope_theta, spec.norm_eps, spec.vocab_size) == (50000.0, 1e-5, 160)
     assert (spec.qkv_bias, spec.qk_norm, spec.kv_channels) == {
@@ -87,6 +92,28 @@ def test_megatron_starts_with_the_checkpoints_outputs(imported) -> None:
             ce = torch.nn.functional.cross_entropy(hf(it["tokens"]).logits[0], it["labels"][0], reduction="none")
         hloss = float((ce * it["loss_mask"][0]).sum())
         assert abs(hloss - mloss) <= 1e-4 * max(1.0, abs(mloss)), (hloss, mloss)
+
+
+def test_llama3_rope_scaling_matches_transformers_far_into_the_row(imported) -> None:
+    """Llama 3.x RoPE scaling changes the slowest frequencies, which matter only far into a row:
+    at 1,536 tokens the imported model's logits equal transformers' (scaled), while an unscaled
+    RoPE would be off by far more than the tolerance."""
+    w, ckpt, _, _ = imported
+    if not w.opts.spec.rope_llama3_factor or w.opts.pp > 1:
+        pytest.skip("Llama 3 RoPE scaling, one stage")
+    tokens = torch.randint(0, 160, (1, 1536), generator=torch.Generator().manual_seed(4))
+    mlogits = np.concatenate(w.call(w.ranks_of(0), "logits", tokens), axis=-1)
+    raw = json.loads((ckpt / "config.json").read_text())
+    with torch.no_grad():
+        hlogits = _hf_model(ckpt)(tokens).logits.numpy()
+        plain = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**{**{k: v for k, v in raw.items() if k not in ("rope_scaling", "rope_parameters")},
+                                                 "rope_theta": 50000.0}), attn_implementation="eager")
+        plain.load_state_dict(_hf_model(ckpt).state_dict())
+        unscaled = plain.float().eval()(tokens).logits.numpy()
+    err, off = float(np.abs(hlogits - mlogits).max()), float(np.abs(hlogits - unscaled).max())
+    print(f"\nllama3 RoPE at 1,536 tokens: max|HF - Megatron| {err:.3g}; unscaled RoPE would be off by {off:.3g}")
+    assert err <= 1e-4 and off > 100 * max(err, 1e-6)
 
 
 def test_export_of_the_import_gives_back_the_checkpoint(imported) -> None:
@@ -207,7 +234,10 @@ _MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "nu
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling llama3 with {'low_freq_factor': None"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 4096}}, "'original_max_position_embeddings': 4096"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias"),
     ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "model_type 'qwen2_moe'"),
     ({**_MOE, "mlp_only_layers": [1]}, "mlp_only_layers"),
@@ -215,7 +245,7 @@ _MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "nu
     ({**_MOE, "num_experts_per_tok": 8}, "num_experts_per_tok 8 exceeds num_experts 4"),
     ({**_MOE, "moe_intermediate_size": None}, "moe_intermediate_size None"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"num_key_value_heads": 4}, "not a multiple of num_key_value_heads 4"),

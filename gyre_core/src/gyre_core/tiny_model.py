@@ -120,6 +120,7 @@ def build_tiny_model(
     max_position_embeddings: int = 8192,
     seed: int = 0,
     family: str = "qwen2",
+    rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random model with a locally trained BPE tokenizer to ``out_dir``.
 
@@ -127,7 +128,8 @@ def build_tiny_model(
     ``AutoTokenizer``/``AutoModelForCausalLM`` and is served by SGLang. ``family``: ``qwen2``
     (the default), ``qwen3`` (q/k norms, a head twice ``hidden / heads`` wide) or ``llama``
     (no biases) or ``qwen3_moe`` (Qwen3's attention, 4 experts of half the FFN width, 2 per
-    token), to run the whole job on each family a user may bring.
+    token), to run the whole job on each family a user may bring. ``rope_scaling``: the HF
+    config's RoPE scaling (e.g. Llama 3.1's ``{"rope_type": "llama3", "factor": 8.0, ...}``).
     """
     import torch
     import transformers
@@ -181,6 +183,7 @@ def build_tiny_model(
         bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         torch_dtype="float32",
+        **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {}),
         **own,
     )
     model = getattr(transformers, model_class)(config)

@@ -121,8 +121,18 @@ def hf_config(spec: Any, dtype: str = "float32") -> dict[str, Any]:
         "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": dtype, "attention_dropout": 0.0,
-        **family.config_fields(spec),
+        **_rope_scaling(spec), **family.config_fields(spec),
     }
+
+
+def _rope_scaling(spec: Any) -> dict[str, Any]:
+    """``rope_scaling`` as Llama 3.x checkpoints write it (nothing for plain RoPE)."""
+    from gyre_megatron.model import LLAMA3_ROPE_FIXED
+
+    factor = float(getattr(spec, "rope_llama3_factor", 0.0))
+    if factor <= 0:
+        return {}
+    return {"rope_scaling": {"rope_type": "llama3", "factor": factor, **LLAMA3_ROPE_FIXED}}
 
 
 def gather_serving_tensors(world: Any) -> dict[str, torch.Tensor]:

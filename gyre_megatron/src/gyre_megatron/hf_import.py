@@ -62,10 +62,9 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
     if raw.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {raw.get('hidden_act')!r} (supported: silu)")
     # transformers >= 5 writes RoPE settings as ``rope_parameters``; older releases as rope_theta/rope_scaling
-    rope = dict(raw.get("rope_parameters") or {})
+    rope = {**dict(raw.get("rope_parameters") or {}), **dict(raw.get("rope_scaling") or {})}
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_scaling {raw.get('rope_scaling') or rope!r} (supported: plain RoPE)")
+    rope_llama3_factor = _llama3_factor(rope, problems)
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if not isinstance(raw.get(k), int)]
     if missing:
@@ -94,8 +93,31 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), seed=seed,
         family=family.model_type, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
         head_dim=head_dim if head_dim != int(raw["hidden_size"]) // int(raw["num_attention_heads"]) else 0,
-        **experts,
+        rope_llama3_factor=rope_llama3_factor, **experts,
     )
+
+
+def _llama3_factor(rope: Mapping[str, Any], problems: list[str]) -> float:
+    """The Llama 3 RoPE-scaling factor of a ``config.json``'s RoPE settings (0: plain RoPE); what
+    megatron-core's RoPE cannot represent goes to ``problems``."""
+    from gyre_megatron.model import LLAMA3_ROPE_FIXED
+
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return 0.0
+    if kind != "llama3":
+        problems.append(f"rope_scaling of type {kind!r} (supported: plain RoPE and llama3)")
+        return 0.0
+    odd = {k: rope.get(k) for k, v in LLAMA3_ROPE_FIXED.items()
+           if not isinstance(rope.get(k), (int, float)) or float(rope[k]) != v}
+    factor = rope.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        problems.append(f"rope_scaling llama3 with factor {factor!r} (expected a positive number)")
+        return 0.0
+    if odd:
+        problems.append(f"rope_scaling llama3 with {odd} (megatron-core's scaling fixes {LLAMA3_ROPE_FIXED})")
+        return 0.0
+    return float(factor)
 
 
 def _expert_fields(raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:

@@ -51,6 +51,11 @@ class ModelSpec:
     """One expert's SwiGLU width (HF ``moe_intermediate_size``)."""
     norm_topk_prob: bool = False
     """The picked experts' router weights are renormalised to sum to one."""
+    rope_llama3_factor: float = 0.0
+    """Llama 3.x RoPE scaling (HF ``rope_type = "llama3"``): its ``factor``; 0: plain RoPE.
+    megatron-core's scaling fixes ``low_freq_factor`` 1, ``high_freq_factor`` 4 and
+    ``original_max_position_embeddings`` 8192, the values of every Llama 3.1-3.3 release
+    (:data:`LLAMA3_ROPE_FIXED`)."""
 
     @property
     def kv_channels(self) -> int:
@@ -96,6 +101,10 @@ def sequence_parallel(spec: ModelSpec, tp_size: int) -> bool:
     replicated parameters' gradients are summed over the tensor group."""
     return bool(spec.num_experts) and tp_size > 1
 
+
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The Llama 3 RoPE-scaling parameters megatron-core's ``RotaryEmbedding`` does not take: they
+are fixed at these values (a checkpoint with others is refused)."""
 
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 """``training.transformer_impl``'s values."""
@@ -287,6 +296,8 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, p
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
+        rope_scaling=spec.rope_llama3_factor > 0,
+        rope_scaling_factor=spec.rope_llama3_factor or 8.0,
     )
     if torch.cuda.is_available():  # initialised on the host (the same weights at any TP), trained here
         model.cuda(torch.cuda.current_device())

@@ -23,13 +23,20 @@ __all__ = ["build_checkpoint", "gpu_report", "read_weights", "feed_in_bursts", "
            "stop_nodes", "strike_once_joined", "wait_claimed"]
 
 
-def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str = "qwen2") -> dict[str, torch.Tensor]:
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+"""Llama 3.1's RoPE scaling, for :func:`build_checkpoint`'s ``rope_scaling``."""
+
+
+def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str = "qwen2",
+                     rope_scaling: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """A small HF checkpoint of ``family`` written to ``path`` (GQA: 6 heads over 2 KV groups,
     hidden 48, FFN 80, 4 layers, vocabulary 160; Qwen3 with a head size of 16, not 48 / 6, and
     Llama with 12; Qwen3-MoE with Qwen3's attention and 6 experts, 2 per token), so the settings
     a family adds are exercised), with random biases and
     norm scales so their layouts are exercised; returns the tensors of its weight file. Built locally: nothing is
-    downloaded."""
+    downloaded. ``rope_scaling`` (e.g. :data:`LLAMA3_ROPE`) scales RoPE as Llama 3.x does, with
+    Llama 3.1's 131,072 positions."""
     import transformers
 
     from gyre_megatron.families import family_named
@@ -44,8 +51,9 @@ def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str
     torch.manual_seed(seed)
     cfg = getattr(transformers, fam.config_class)(
         vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=128, rope_theta=50000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, torch_dtype="float32", **own)
+        num_key_value_heads=2, max_position_embeddings=131072 if rope_scaling else 128, rope_theta=50000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied, torch_dtype="float32",
+        **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {}), **own)
     model = getattr(transformers, fam.architecture)(cfg).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
