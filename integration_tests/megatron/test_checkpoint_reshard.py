@@ -3,7 +3,8 @@
 A core at TP 2 x PP 1 trains a step and saves; a core at TP 1 x PP 2 loads that folder and trains
 the next step: its loss and the weights it ends with equal those of the TP 2 core that went on
 without stopping (float tolerance), so the optimizer's moments came across as well as the
-weights. Twice: a dense Qwen2 with tied embeddings (one matrix on the first and the last stage
+weights. The TP 2 core saves while its state is offloaded (as a colocated core does after its
+burst): the checkpoint reads the host copies. Twice: a dense Qwen2 with tied embeddings (one matrix on the first and the last stage
 at PP 2), and a Qwen3-MoE saved at TP 2 x EP 2 (experts split over two ranks) and resumed with all
 experts on each stage's one rank. The folder is megatron-core's own ``torch_dist`` checkpoint: ``dist_checkpointing``'s
 metadata reads it.
@@ -53,7 +54,10 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_pp2_and_the_next_step_matches(tmp_
     ckpt = tmp_path / "step0"
     with World(RankOptions(cells=1, tp=2, pp=1, ep=saved_ep, **model), n_queues=2) as w:
         _train(w, 0)
+        # saved while the core's state is offloaded (a colocated core saves after its burst)
+        w.call(w.ranks_of(0), "leave_training")
         saved = w.call(w.ranks_of(0), "save_checkpoint", str(ckpt))
+        w.call(w.ranks_of(0), "enter_training")
         assert all(s["version"] == 1 for s in saved)
         uninterrupted_loss = _train(w, 1)
         uninterrupted = _weights(w, 2, tmp_path / "a")

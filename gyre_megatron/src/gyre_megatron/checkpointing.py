@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["load_training_state", "restore_optimizer", "save_training_state", "sharded_training_state"]
+__all__ = ["load_training_state", "restore_optimizer", "save_training_state", "sharded_training_state", "sub_optimizers"]
 
 GYRE_KEY = "gyre"
 """The common (unsharded) part Gyre adds: ``{"version": int, "optimizer_step": int | None}``."""
 
 
-def _sub_optimizers(optimizer: Any) -> list[Any]:
+def sub_optimizers(optimizer: Any) -> list[Any]:
     """megatron-core's optimizers under ``optimizer``: a mixture of experts chains one for the
     dense and one for the expert parameters; how many depends on the layout."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
@@ -75,7 +75,7 @@ def sharded_training_state(ddp: Any, optimizer: Any, version: int, is_loading: b
     mixture of experts at EP 2 chains two, at EP 1 one), so a checkpoint in them would not load at
     another. Adam's step count, one for all parameters, goes with Gyre's own state."""
     model = ddp.module.sharded_state_dict()
-    parts = [o.sharded_state_dict(model, is_loading=is_loading) for o in _sub_optimizers(optimizer)] \
+    parts = [o.sharded_state_dict(model, is_loading=is_loading) for o in sub_optimizers(optimizer)] \
         if optimizer is not None else []
     step = next((s for s in map(_common_step, parts) if s is not None), None)
     gyre = {"version": int(version), "optimizer_step": None if step is None else int(step)}
@@ -119,29 +119,17 @@ def restore_optimizer(optimizer: Any, parts: list[Any], loaded: dict[str, Any]) 
                 for v in tree.values():
                     with_step(v)
 
-    for sub, part in zip(_sub_optimizers(optimizer), parts, strict=True):
+    for sub, part in zip(sub_optimizers(optimizer), parts, strict=True):
         state = filled(part)
         if step is not None:
             with_step(state)
         sub.load_state_dict(state)
 
 
-def _map_sharded_data(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Apply ``fn`` to the data of every sharded tensor (and factory) in ``state``, in place."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    for v in nested_values(state):
-        if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and isinstance(v.data, torch.Tensor):
-            v.data = fn(v.data)
-
-
-def save_training_state(state: dict[str, Any], directory: str, group: Any,
-                        host_view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+def save_training_state(state: dict[str, Any], directory: str, group: Any) -> None:
     """Write ``state`` (:func:`sharded_training_state`) to ``directory`` with every rank of
     ``group`` (the core cell) and no other. Written to ``directory.partial`` first and renamed
-    once every rank's part is on disk, so a crash mid-save leaves no folder by the final name.
-    ``host_view``: read offloaded tensors where their bytes are (a core that left training)."""
+    once every rank's part is on disk, so a crash mid-save leaves no folder by the final name."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
@@ -153,8 +141,6 @@ def save_training_state(state: dict[str, Any], directory: str, group: Any,
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier(group=group)
-    if host_view is not None:
-        _map_sharded_data(state, host_view)
     sharded, common = save_preprocess(state, validate_access_integrity=False)
     if first:
         torch.save(common, os.path.join(partial, "common.pt"))

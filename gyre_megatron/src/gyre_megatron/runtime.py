@@ -434,10 +434,43 @@ class CellRank(RankChecks):
             return {}
         from gyre_megatron.checkpointing import save_training_state, sharded_training_state
 
-        state, _ = sharded_training_state(self.ddp, self.optimizer, self.version)
-        view = self.offloader.host_view if self.offloader.offloaded else None
-        save_training_state(state, path, self.side_group, host_view=view)
+        with self._host_state():
+            state, _ = sharded_training_state(self.ddp, self.optimizer, self.version)
+            save_training_state(state, path, self.side_group)
         return {"path": path, "version": self.version}
+
+    @contextlib.contextmanager
+    def _host_state(self) -> Iterator[None]:
+        """While this rank's state is offloaded (a colocated core after its burst): parameters,
+        master weights, Adam's state and buffers read from their host copies, and pointed back at
+        their released storages afterwards, so nothing comes back to the device to be saved."""
+        if not self.offloader.offloaded:
+            yield
+            return
+        view, undo = self.offloader.host_view, []
+        params = list(self.ddp.module.parameters())
+        params += [p for opt in self._torch_optimizers() for g in opt.param_groups for p in g["params"]]
+        seen: set[int] = set()
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                undo.append((p, "data", p.data))
+                p.data = view(p.data)
+        holders: list[dict[str, Any]] = [m._buffers for m in self.ddp.module.modules()]
+        holders += [st for opt in self._torch_optimizers() for st in opt.state.values()]
+        for d in holders:
+            for k, v in list(d.items()):
+                if isinstance(v, torch.Tensor):
+                    undo.append((d, k, v))
+                    d[k] = view(v)
+        try:
+            yield
+        finally:
+            for holder, key, original in reversed(undo):
+                if isinstance(holder, dict):
+                    holder[key] = original
+                else:
+                    setattr(holder, key, original)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Core only: restore what :meth:`save_checkpoint` wrote (after a restart), at this
@@ -479,12 +512,19 @@ class CellRank(RankChecks):
     def _state_tensors(self) -> list[torch.Tensor]:
         ts = list(self.params) + self.grad_buffers() + [b for b in self.ddp.module.buffers()]
         ts += list(self.reference or [])
-        if self.optimizer is not None:
-            for st in self.optimizer.optimizer.state.values():
+        for opt in self._torch_optimizers():
+            for st in opt.state.values():
                 ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
             # bf16: the float32 master weights (fp32: the parameters themselves, already counted)
-            ts += [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]
+            ts += [p for g in opt.param_groups for p in g["params"]]
         return ts
+
+    def _torch_optimizers(self) -> list[Any]:
+        """The torch optimizers under the core's megatron-core optimizer: one, or with a mixture
+        of experts one per chained optimizer (dense and expert parameters); none on satellites."""
+        from gyre_megatron.checkpointing import sub_optimizers
+
+        return [o.optimizer for o in sub_optimizers(self.optimizer)] if self.optimizer is not None else []
 
     def leave_training(self) -> dict[str, Any]:
         if self._satellite_weights is not None:
