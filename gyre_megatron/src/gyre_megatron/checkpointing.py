@@ -4,7 +4,9 @@ A checkpoint is one folder in megatron-core's ``torch_dist`` format (``metadata.
 ``common.pt`` and PyTorch Distributed Checkpoint files): every tensor is stored by its global
 shape and each rank's offset in it, as the model's and the optimizer's ``sharded_state_dict``
 describe them, so a run saved at one TP/PP/EP resumes at another, and a Megatron-LM job (or
-``megatron.core.dist_checkpointing.load``) reads the model and optimizer of a Gyre run.
+``megatron.core.dist_checkpointing.load``) reads a Gyre run's model weights. (The optimizer's
+tensors carry megatron-core's keys too, but not its per-optimizer nesting: see
+:func:`sharded_training_state`.)
 
 Why not ``dist_checkpointing.save`` itself: it is collective over the whole torch.distributed
 world (a world barrier, rank-0 coordination over the default group), and in Gyre the world holds
