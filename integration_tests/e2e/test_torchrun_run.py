@@ -67,7 +67,9 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
     port = free_port()
     from gyre_core.tiny_model import cached_tiny_model
 
-    model = cached_tiny_model(family="qwen3", hidden_size=64, num_layers=2, max_position_embeddings=2048)
+    # Qwen3 with YaRN (as its long-context releases are run): SGLang serves it, the ranks train it
+    model = cached_tiny_model(family="qwen3", hidden_size=64, num_layers=2, max_position_embeddings=2048,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
     orch = subprocess.Popen(
         [sys.executable, "-m", "gyre_core.cli", "run", "--config", str(SMALL_JOB), "--out", str(out), "--json-summary",
          "--steps", str(STEPS), "--set", 'cluster.launcher="torchrun"', "--set", f"cluster.control_port={port}",
@@ -95,6 +97,8 @@ def test_torchrun_started_ranks_run_the_job(tmp_path: Path) -> None:
 
     assert "waiting for 2 rank(s) to join" in log and "gyre_megatron.worker" in log
     summary = json.loads(stdout.strip().splitlines()[-1])
+    kept = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert kept["rope_scaling"]["rope_type"] == "yarn" and kept["rope_scaling"]["factor"] == 4.0
     assert summary["steps"] == STEPS and summary["policy_version"] == STEPS
     ex = summary["executions"]
     assert_accounted(ex)

@@ -33,9 +33,11 @@ from gyre_core.interfaces import PublicationOptions  # noqa: E402
 LAYOUTS = [("qwen2", False, 1, 1, 1), ("qwen2", False, 1, 2, 1), ("qwen2", True, 1, 1, 1), ("qwen2", True, 1, 2, 1),
            ("qwen3", False, 1, 1, 1), ("qwen3", False, 2, 1, 1), ("qwen3", False, 2, 2, 1),
            ("llama", False, 1, 1, 1), ("llama", False, 2, 1, 1), ("llama", False, 2, 2, 1),
-           ("llama3", False, 1, 1, 1), ("llama3", False, 2, 2, 1),
+           ("llama3", False, 1, 1, 1), ("llama3", False, 2, 2, 1), ("qwen3_yarn", False, 1, 1, 1),
+           ("qwen3_yarn", False, 2, 2, 1),
            ("qwen3_moe", False, 1, 1, 1), ("qwen3_moe", False, 2, 1, 2), ("qwen3_moe", False, 2, 2, 2)]
-"""(family, tied, tp, pp, ep); ``llama3``: Llama with Llama 3.1's RoPE scaling"""
+"""(family, tied, tp, pp, ep); ``llama3``: Llama with Llama 3.1's RoPE scaling; ``qwen3_yarn``:
+Qwen3 with YaRN (a factor of 4 over a 32-token original window, so every position is changed)"""
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{f}-{'tied' if t else 'untied'}-tp{tp}-pp{pp}" + (f"-ep{ep}" if ep > 1 else "")
@@ -43,16 +45,19 @@ LAYOUTS = [("qwen2", False, 1, 1, 1), ("qwen2", False, 1, 2, 1), ("qwen2", True,
 def imported(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
-    from gyre_megatron.testing import LLAMA3_ROPE, build_checkpoint
+    from gyre_megatron.preflight import _located_megatron_core_version
+    from gyre_megatron.testing import LLAMA3_ROPE, YARN_ROPE, build_checkpoint
 
     family, tied, tp, pp, ep = request.param
-    scaled = family == "llama3"
-    family = "llama" if scaled else family
+    scaled, yarn = family == "llama3", family == "qwen3_yarn"
+    if yarn and tuple(int(x) for x in (_located_megatron_core_version() or "0.0").split(".")[:2]) < (0, 15):
+        pytest.skip("YaRN for standard attention needs megatron-core >= 0.15")
+    family = "llama" if scaled else "qwen3" if yarn else family
     ckpt = tmp_path_factory.mktemp("ckpt")
     original = build_checkpoint(ckpt, tied, seed=11 + int(tied), family=family,
-                                rope_scaling=LLAMA3_ROPE if scaled else None)
+                                rope_scaling=LLAMA3_ROPE if scaled else YARN_ROPE if yarn else None)
     spec = spec_from_hf_dir(ckpt)
-    assert spec.rope_llama3_factor == (8.0 if scaled else 0.0)
+    assert spec.rope_llama3_factor == (8.0 if scaled else 0.0) and spec.rope_yarn_factor == (4.0 if yarn else 0.0)
     assert (spec.family, spec.num_query_groups, spec.ffn_hidden_size, spec.tie_embeddings) == (family, 2, 80, tied)
     assert (spec.rope_theta, spec.norm_eps, spec.vocab_size) == (50000.0, 1e-5, 160)
     assert (spec.qkv_bias, spec.qk_norm, spec.kv_channels) == {
@@ -245,8 +250,10 @@ _MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "nu
     ({**_MOE, "num_experts_per_tok": 8}, "num_experts_per_tok 8 exceeds num_experts 4"),
     ({**_MOE, "moe_intermediate_size": None}, "moe_intermediate_size None"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling of type 'yarn'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling of type 'linear'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling of type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+     "rope_scaling"),  # DeepSeek's mscale pair (and, before megatron-core 0.15, YaRN itself)
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"num_key_value_heads": 4}, "not a multiple of num_key_value_heads 4"),
 ])

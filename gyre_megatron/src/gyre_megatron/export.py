@@ -126,9 +126,15 @@ def hf_config(spec: Any, dtype: str = "float32") -> dict[str, Any]:
 
 
 def _rope_scaling(spec: Any) -> dict[str, Any]:
-    """``rope_scaling`` as Llama 3.x checkpoints write it (nothing for plain RoPE)."""
+    """``rope_scaling`` as the checkpoint had it: YaRN's or Llama 3.x's (nothing for plain RoPE)."""
     from gyre_megatron.model import LLAMA3_ROPE_FIXED
 
+    if getattr(spec, "rope_yarn_factor", 0.0):
+        return {"rope_scaling": {"rope_type": "yarn", "factor": spec.rope_yarn_factor,
+                                 "original_max_position_embeddings": spec.rope_yarn_original_positions,
+                                 "beta_fast": spec.rope_yarn_beta_fast, "beta_slow": spec.rope_yarn_beta_slow,
+                                 "attention_factor": spec.rope_yarn_attention_factor,
+                                 "truncate": spec.rope_yarn_truncate}}
     factor = float(getattr(spec, "rope_llama3_factor", 0.0))
     if factor <= 0:
         return {}

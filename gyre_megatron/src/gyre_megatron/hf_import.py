@@ -64,7 +64,8 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
     # transformers >= 5 writes RoPE settings as ``rope_parameters``; older releases as rope_theta/rope_scaling
     rope = {**dict(raw.get("rope_parameters") or {}), **dict(raw.get("rope_scaling") or {})}
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_llama3_factor = _llama3_factor(rope, problems)
+    rope_llama3_factor = _llama3_factor(rope, problems) if rope.get("rope_type", rope.get("type")) != "yarn" else 0.0
+    yarn = _yarn_fields(rope, raw, problems) if rope.get("rope_type", rope.get("type")) == "yarn" else {}
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if not isinstance(raw.get(k), int)]
     if missing:
@@ -93,8 +94,37 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), seed=seed,
         family=family.model_type, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
         head_dim=head_dim if head_dim != int(raw["hidden_size"]) // int(raw["num_attention_heads"]) else 0,
-        rope_llama3_factor=rope_llama3_factor, **experts,
+        rope_llama3_factor=rope_llama3_factor, **yarn, **experts,
     )
+
+
+def _yarn_fields(rope: Mapping[str, Any], raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """A ``config.json``'s YaRN settings as :class:`ModelSpec` fields (HF's defaults where it is
+    silent); megatron-core builds YaRN for standard attention from 0.15 on."""
+    import math
+
+    from gyre_megatron.preflight import _located_megatron_core_version
+
+    version = _located_megatron_core_version()
+    if version is not None and tuple(int(x) for x in version.split(".")[:2]) < (0, 15):
+        problems.append(f"rope_scaling of type 'yarn' needs megatron-core >= 0.15 for standard attention "
+                        f"(installed: {version})")
+        return {}
+    factor = rope.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        problems.append(f"rope_scaling yarn with factor {factor!r} (expected a number >= 1)")
+        return {}
+    if rope.get("mscale") is not None or rope.get("mscale_all_dim") is not None:
+        problems.append("rope_scaling yarn with mscale / mscale_all_dim (supported: attention_factor or its default)")
+        return {}
+    original = rope.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    attention = rope.get("attention_factor")
+    return {"rope_yarn_factor": float(factor), "rope_yarn_original_positions": int(original),
+            "rope_yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "rope_yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "rope_yarn_attention_factor": float(attention) if attention is not None
+            else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0),
+            "rope_yarn_truncate": bool(rope.get("truncate", True))}
 
 
 def _llama3_factor(rope: Mapping[str, Any], problems: list[str]) -> float:
@@ -106,7 +136,7 @@ def _llama3_factor(rope: Mapping[str, Any], problems: list[str]) -> float:
     if kind in (None, "default"):
         return 0.0
     if kind != "llama3":
-        problems.append(f"rope_scaling of type {kind!r} (supported: plain RoPE and llama3)")
+        problems.append(f"rope_scaling of type {kind!r} (supported: plain RoPE, llama3 and yarn)")
         return 0.0
     odd = {k: rope.get(k) for k, v in LLAMA3_ROPE_FIXED.items()
            if not isinstance(rope.get(k), (int, float)) or float(rope[k]) != v}

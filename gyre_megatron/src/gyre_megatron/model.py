@@ -12,6 +12,8 @@ megatron-core's embedding group; see :mod:`gyre_megatron.runtime`). The local
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Iterator, Mapping
@@ -56,6 +58,17 @@ class ModelSpec:
     megatron-core's scaling fixes ``low_freq_factor`` 1, ``high_freq_factor`` 4 and
     ``original_max_position_embeddings`` 8192, the values of every Llama 3.1-3.3 release
     (:data:`LLAMA3_ROPE_FIXED`)."""
+    rope_yarn_factor: float = 0.0
+    """YaRN RoPE (HF ``rope_type = "yarn"``, Qwen3's long-context setting): its ``factor``; 0: none."""
+    rope_yarn_original_positions: int = 0
+    """YaRN's ``original_max_position_embeddings``."""
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_attention_factor: float = 1.0
+    """YaRN's scale of queries and keys (HF's ``attention_factor``, by default ``0.1·ln(factor) + 1``),
+    given to megatron-core as the ``yarn_mscale`` that yields it."""
+    rope_yarn_truncate: bool = True
+    """YaRN's correction range rounded to whole dimensions (HF's ``truncate``)."""
 
     @property
     def kv_channels(self) -> int:
@@ -162,7 +175,7 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
         attention_dropout=0.0,
         **{f: impl == "transformer_engine" for f in FUSIONS},
     )
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -185,6 +198,16 @@ def transformer_config(spec: ModelSpec, pp_size: int, tp_size: int = 1, precisio
         calculate_per_token_loss=True,
         **{**_moe_settings(spec, tp_size, ep_size), **defaults, **dict(overrides or {})},
     )
+    if spec.rope_yarn_factor:  # read by GPTModel's YaRN embedding (TransformerConfig has no such fields)
+        config.yarn_rotary_scaling_factor = spec.rope_yarn_factor
+        config.yarn_original_max_position_embeddings = spec.rope_yarn_original_positions
+        config.yarn_beta_fast, config.yarn_beta_slow = spec.rope_yarn_beta_fast, spec.rope_yarn_beta_slow
+        # megatron-core scales q and k by 0.1·mscale·ln(factor) + 1: the mscale that gives HF's attention factor
+        config.yarn_mscale = ((spec.rope_yarn_attention_factor - 1.0) / (0.1 * math.log(spec.rope_yarn_factor))
+                              if spec.rope_yarn_factor > 1 else 1.0)
+        config.yarn_mscale_all_dim = 0.0
+        config.yarn_correction_range_round_to_int = spec.rope_yarn_truncate
+    return config
 
 
 def megatron_name(name: str) -> str:
@@ -294,7 +317,7 @@ def build_stage(spec: ModelSpec, pp_rank: int, pp_size: int, tp_size: int = 1, p
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if spec.rope_yarn_factor else "rope",
         rotary_base=int(spec.rope_theta),
         rope_scaling=spec.rope_llama3_factor > 0,
         rope_scaling_factor=spec.rope_llama3_factor or 8.0,

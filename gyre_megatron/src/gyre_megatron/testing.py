@@ -27,6 +27,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 8192}
 """Llama 3.1's RoPE scaling, for :func:`build_checkpoint`'s ``rope_scaling``."""
 
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+"""Qwen3's YaRN setting (a factor of 4) over a short original window, so that it changes every
+position of a test row."""
+
 
 def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str = "qwen2",
                      rope_scaling: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
@@ -51,7 +55,8 @@ def build_checkpoint(path: Path, tied: bool = False, seed: int = 11, family: str
     torch.manual_seed(seed)
     cfg = getattr(transformers, fam.config_class)(
         vocab_size=160, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=131072 if rope_scaling else 128, rope_theta=50000.0,
+        num_key_value_heads=2, max_position_embeddings=(131072 if rope_scaling.get("rope_type") == "llama3" else 128)
+        if rope_scaling else 128, rope_theta=50000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=tied, torch_dtype="float32",
         **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {}), **own)
     model = getattr(transformers, fam.architecture)(cfg).float()

@@ -274,6 +274,8 @@ CUDA_MODULES = (
     "megatron.core.tensor_parallel.layers",
     # activation recompute: CheckpointFunction reads torch.cuda's generator state
     "megatron.core.tensor_parallel.random",
+    # YaRN RoPE: moves its frequencies to ``torch.cuda.current_device()`` at each forward
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
 """The megatron-core modules with CUDA-only lines, 0.13 to 0.16 alike."""
 
