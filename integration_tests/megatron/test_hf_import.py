@@ -45,12 +45,12 @@ Qwen3 with YaRN (a factor of 4 over a 32-token original window, so every positio
 def imported(request, tmp_path_factory):
     from gyre_megatron.launch import World
     from gyre_megatron.runtime import RankOptions
-    from gyre_megatron.preflight import _located_megatron_core_version
+    from gyre_megatron.preflight import megatron_core_below
     from gyre_megatron.testing import LLAMA3_ROPE, YARN_ROPE, build_checkpoint
 
     family, tied, tp, pp, ep = request.param
     scaled, yarn = family == "llama3", family == "qwen3_yarn"
-    if yarn and tuple(int(x) for x in (_located_megatron_core_version() or "0.0").split(".")[:2]) < (0, 15):
+    if yarn and megatron_core_below((0, 15)):
         pytest.skip("YaRN for standard attention needs megatron-core >= 0.15")
     family = "llama" if scaled else "qwen3" if yarn else family
     ckpt = tmp_path_factory.mktemp("ckpt")
@@ -149,18 +149,15 @@ def test_transformer_engines_names_import_and_export_like_the_local_ones(importe
     one; exported from TE's names, the checkpoint comes back exactly."""
     import re
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     from gyre_megatron.export import megatron_to_hf
     from gyre_megatron.hf_import import hf_to_megatron, load_hf_state
+    from gyre_megatron.model import layer_spec_for
 
     w, ckpt, original, _ = imported
     if w.opts.tp * w.opts.pp * w.opts.ep > 1:
         pytest.skip("one layout per family: the names do not depend on it")
     spec = w.opts.spec
-    keys_map = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
-                                        normalization="RMSNorm", qk_layernorm=spec.qk_norm
-                                        ).submodules.sharded_state_dict_keys_map
+    keys_map = layer_spec_for(spec, "local").submodules.sharded_state_dict_keys_map
     assert keys_map, "megatron-core no longer lists the TE names of its local norms"
 
     def te_name(name: str) -> str:

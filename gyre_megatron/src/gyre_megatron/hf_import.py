@@ -64,8 +64,8 @@ def spec_from_hf_config(raw: Mapping[str, Any], where: str = "config.json", seed
     # transformers >= 5 writes RoPE settings as ``rope_parameters``; older releases as rope_theta/rope_scaling
     rope = {**dict(raw.get("rope_parameters") or {}), **dict(raw.get("rope_scaling") or {})}
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_llama3_factor = _llama3_factor(rope, problems) if rope.get("rope_type", rope.get("type")) != "yarn" else 0.0
     yarn = _yarn_fields(rope, raw, problems) if rope.get("rope_type", rope.get("type")) == "yarn" else {}
+    rope_llama3_factor = 0.0 if yarn else _llama3_factor(rope, problems)
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if not isinstance(raw.get(k), int)]
     if missing:
@@ -103,12 +103,11 @@ def _yarn_fields(rope: Mapping[str, Any], raw: Mapping[str, Any], problems: list
     silent); megatron-core builds YaRN for standard attention from 0.15 on."""
     import math
 
-    from gyre_megatron.preflight import _located_megatron_core_version
+    from gyre_megatron.preflight import _located_megatron_core_version, megatron_core_below
 
-    version = _located_megatron_core_version()
-    if version is not None and tuple(int(x) for x in version.split(".")[:2]) < (0, 15):
+    if megatron_core_below((0, 15)):
         problems.append(f"rope_scaling of type 'yarn' needs megatron-core >= 0.15 for standard attention "
-                        f"(installed: {version})")
+                        f"(installed: {_located_megatron_core_version()})")
         return {}
     factor = rope.get("factor")
     if not isinstance(factor, (int, float)) or factor < 1:

@@ -13,7 +13,6 @@ megatron-core's embedding group; see :mod:`gyre_megatron.runtime`). The local
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Iterator, Mapping

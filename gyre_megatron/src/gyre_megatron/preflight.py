@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["SUPPORTED_MEGATRON_CORE", "megatron_core_problem", "megatron_settings_problems", "model_problems", "mooncake_problem",
+__all__ = ["SUPPORTED_MEGATRON_CORE", "megatron_core_below", "megatron_core_problem", "megatron_settings_problems", "model_problems", "mooncake_problem",
            "training_side_problems"]
 
 SUPPORTED_MEGATRON_CORE = ">=0.13,<0.17"
@@ -123,6 +123,13 @@ def megatron_settings_problems(table: Mapping[str, Any], model_dir: str, layout:
     return settings_refused(table, spec, pp=int(layout.get("pp", 1)), tp=int(layout.get("tp", 1)),
                             ep=int(layout.get("ep", 1)), precision=str(layout.get("precision", "fp32")),
                             total_steps=int(layout.get("steps", 1)), lr=float(layout.get("lr", 1.0)))
+
+
+def megatron_core_below(release: tuple[int, int]) -> bool:
+    """Whether the installed megatron-core is older than ``release`` (``(major, minor)``);
+    False when none is found."""
+    version = _located_megatron_core_version()
+    return version is not None and tuple(int(x) for x in version.split(".")[:2]) < release
 
 
 def training_side_problems(cells: int, model_dir: str = "", launcher: str = "local",

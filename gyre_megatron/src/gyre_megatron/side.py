@@ -47,7 +47,7 @@ def _world_for(options: TrainingOptions) -> Any:
                 spec = ModelSpec(**dict(options.model))
             opts = RankOptions(
                 cells=options.cells, pp=options.pp, tp=options.tp, ep=options.ep, spec=spec,
-                precision=options.precision, transformer_impl=getattr(options, "transformer_impl", "auto"),
+                precision=options.precision, transformer_impl=options.transformer_impl,
                 lr=options.lr, clip_grad=options.clip_grad,
                 megatron=dict(options.megatron), total_steps=options.total_steps,
                 data_timeout_s=options.data_timeout_s, side_timeout_s=options.side_timeout_s,
